@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: system packages, venv, lint, types, tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install-system-deps.sh
+bash scripts/bootstrap.sh
+export PATH="$PWD/.venv/bin:$PATH"
+echo "== ruff"; ruff check slurm_ckpt tests bench examples
+echo "== mypy"; mypy
+echo "== pytest"; pytest "$@"

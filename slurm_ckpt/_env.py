@@ -1,0 +1,35 @@
+"""The one place that reads the process environment for job context."""
+
+from __future__ import annotations
+
+import getpass
+import os
+from pathlib import Path
+
+from .config import Config
+
+__all__ = ["default_run_dir", "job_id", "user_name"]
+
+
+def job_id() -> str:
+    """``JOBID`` or, for an array task, ``JOBID_TASKID`` (the id scontrol requeues)."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    task = os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array_job and task:
+        return f"{array_job}_{task}"
+    return os.environ.get("SLURM_JOB_ID", "")
+
+
+def user_name() -> str:
+    return os.environ.get("SLURM_JOB_USER") or getpass.getuser()
+
+
+def default_run_dir(cfg: Config) -> Path:
+    """$SLURM_CKPT_DIR, else <storage.root>/<user>/job_<id>, else ./checkpoints."""
+    explicit = os.environ.get("SLURM_CKPT_DIR")
+    if explicit:
+        return Path(explicit)
+    jid = job_id()
+    if cfg.storage.root and jid:
+        return Path(cfg.storage.root) / user_name() / f"job_{jid}"
+    return Path("checkpoints")

@@ -1,0 +1,133 @@
+"""The ``slurm-ckpt`` command: a thin layer over the library.
+
+Exit codes, mapped here and nowhere else:
+0 ok · 1 failure · 2 usage or config error · 3 no valid checkpoint ·
+4 a checkpoint failed verification · 5 another writer holds the lock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from . import __version__
+from ._env import default_run_dir
+from .config import format_size, load_config
+from .errors import CheckpointCorrupt, ConfigError, LockHeld, SlurmCkptError
+from .store import Skipped, find_latest, verify_checkpoint
+from .store.layout import list_steps
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NONE, EXIT_CORRUPT, EXIT_LOCKED = 0, 1, 2, 3, 4, 5
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _errors_to_exit(fn: F) -> F:
+    """Turn our exceptions into one line on stderr and a documented exit code."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as e:
+            click.echo(f"slurm-ckpt: config error: {e}", err=True)
+            sys.exit(EXIT_USAGE)
+        except CheckpointCorrupt as e:
+            click.echo(f"slurm-ckpt: corrupt: {e}", err=True)
+            sys.exit(EXIT_CORRUPT)
+        except LockHeld as e:
+            click.echo(f"slurm-ckpt: {e}", err=True)
+            sys.exit(EXIT_LOCKED)
+        except SlurmCkptError as e:
+            click.echo(f"slurm-ckpt: error: {e}", err=True)
+            sys.exit(EXIT_FAIL)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _run_dir(dir: str | None) -> Path:
+    return Path(dir) if dir else default_run_dir(load_config())
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="slurm-ckpt")
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+def main(verbose: int) -> None:
+    """Crash-safe checkpoints for Slurm jobs: save, verify, resume, requeue."""
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
+    logging.basicConfig(level=level, format="slurm-ckpt: %(levelname)s: %(message)s")
+
+
+_dir_option = click.option(
+    "--dir", "dir", type=click.Path(file_okay=False), default=None,
+    help="Run dir (default: $SLURM_CKPT_DIR, then the config's storage.root, then ./checkpoints).",
+)  # fmt: skip
+
+
+@main.command()
+@_dir_option
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of the path.")
+@click.option("--quick", is_flag=True, help="Check sizes and headers only, not every checksum.")
+@_errors_to_exit
+def resume(dir: str | None, as_json: bool, quick: bool) -> None:
+    """Print the newest valid checkpoint; exit 3 if there is none.
+
+    Corrupt or partial checkpoints are skipped and named on stderr.
+    """
+    skipped: list[Skipped] = []
+    cand = find_latest([_run_dir(dir)], full=not quick, skipped=skipped)
+    for s in skipped:
+        click.echo(f"slurm-ckpt: skipped {s.path}: {s.reason}", err=True)
+    if cand is None:
+        if as_json:
+            click.echo(json.dumps({"path": None, "step": None}))
+        else:
+            click.echo(f"slurm-ckpt: no valid checkpoint in {_run_dir(dir)}", err=True)
+        sys.exit(EXIT_NONE)
+    if as_json:
+        m = cand.manifest
+        click.echo(json.dumps({"path": str(cand.path), "step": cand.step, "time": m.time,
+                               "job_id": m.job_id, "nbytes": m.nbytes}))  # fmt: skip
+    else:
+        click.echo(str(cand.path))
+
+
+@main.command("ls")
+@_dir_option
+@click.option("--full", is_flag=True, help="Verify every checksum (reads all data).")
+@_errors_to_exit
+def ls_(dir: str | None, full: bool) -> None:
+    """List checkpoints: step, time, size and status."""
+    run_dir = _run_dir(dir)
+    rows = list_steps(run_dir)
+    if not rows:
+        click.echo(f"no checkpoints in {run_dir}")
+        return
+    click.echo(f"{'STEP':>10}  {'TIME (UTC)':<20}  {'SIZE':>9}  STATUS")
+    for step, path in rows:
+        try:
+            m = verify_checkpoint(path, full=full)
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.time))
+            size, status = format_size(sum(r.size for r in m.files.values())), "ok" if full else "ok (sizes)"
+        except CheckpointCorrupt as e:
+            when, size, status = "-", "-", f"CORRUPT: {e}"
+        click.echo(f"{step:>10}  {when:<20}  {size:>9}  {status}")
+
+
+@main.command()
+@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@_errors_to_exit
+def verify(path: str) -> None:
+    """Verify every file and checksum of one checkpoint dir; exit 4 naming a bad file."""
+    m = verify_checkpoint(Path(path), full=True)
+    click.echo(f"ok: step {m.step}, {len(m.files)} files, {format_size(sum(r.size for r in m.files.values()))}")

@@ -1,0 +1,301 @@
+"""Validated configuration.
+
+Precedence, lowest first, documented here once:
+
+1. built-in defaults (the dataclass defaults below);
+2. the site file: ``/etc/slurm-ckpt/config.yaml``, or the file ``$SLURM_CKPT_CONFIG`` names;
+3. environment: ``SLURM_CKPT_<SECTION>_<KEY>``, e.g. ``SLURM_CKPT_SCRATCH_BASE``;
+4. CLI flags, applied by the caller with :func:`dataclasses.replace`.
+
+Unknown keys and wrong types fail with a :class:`ConfigError` naming the file,
+the key and the valid keys. ``templates/slurm-ckpt.yaml`` documents every key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+__all__ = [
+    "Config",
+    "EngineConfig",
+    "IOLimits",
+    "IOConfig",
+    "MetricsConfig",
+    "ScratchConfig",
+    "StorageConfig",
+    "WrapperConfig",
+    "format_size",
+    "load_config",
+    "parse_size",
+]
+
+DEFAULT_CONFIG_PATH = "/etc/slurm-ckpt/config.yaml"
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kb": 1000, "kib": 1024,
+    "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
+    "p": 1024**5, "pb": 1000**5, "pib": 1024**5,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: str | int | float) -> int:
+    """Parse ``40G``, ``1.5TiB``, ``512MiB`` or a plain byte count into bytes.
+
+    Bare letters (``G``) are binary, as in Slurm's ``--tmp``; ``GB`` is decimal.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"size must be a number with a unit like 40G, not {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(f"size must not be negative: {value!r}")
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise ConfigError(
+            f"cannot parse size {value!r}: use a number and a unit such as 512MiB, 40G or 1.5TiB"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_size(n: float) -> str:
+    """Human-readable binary size: ``format_size(3 * 2**30) == '3.0GiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class Size(int):
+    """An int of bytes that config files may spell ``40G``."""
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    root: str = ""
+    """Durable run dirs live at <root>/<user>/job_<id>; empty means ./checkpoints."""
+    keep: int = 3
+    """Committed checkpoints kept per run dir (the newest valid one is never deleted)."""
+    retries: int = 3
+    """Retries of a transient I/O error (see retry_errnos) before a save fails."""
+    retry_backoff: float = 0.5
+    """Seconds before the first retry; doubles each time."""
+    retry_errnos: tuple[str, ...] = ("ESTALE", "EAGAIN", "EINTR")
+    """errno names retried; EIO is added on network filesystems."""
+    on_async_error: str = "raise"
+    """raise|warn: what the next save does when a background save failed."""
+    allow_pickle: bool = False
+    """Save unknown Python objects with pickle (trusted input only)."""
+
+    def validate(self) -> None:
+        if self.keep < 1:
+            raise ConfigError("storage.keep must be at least 1")
+        if self.on_async_error not in ("raise", "warn"):
+            raise ConfigError("storage.on_async_error must be 'raise' or 'warn'")
+
+
+@dataclass(frozen=True)
+class ScratchConfig:
+    base: str = "/local/slurm-ckpt"
+    """Node-local scratch; the prolog creates <base>/job_<id>."""
+    default_size: Size = Size(10 * 1024**3)
+    """Reservation when the job asks for none (``--comment ckpt_scratch=40G``)."""
+    headroom: Size = Size(0)
+    """Bytes of the scratch filesystem never reserved."""
+    over_reserve: str = "shrink"
+    """shrink|none: an over-subscribing job gets what is left, or no scratch."""
+    min_size: Size = Size(1024**3)
+    """Below this, a shrunk reservation is not worth creating."""
+
+    def validate(self) -> None:
+        if self.over_reserve not in ("shrink", "none"):
+            raise ConfigError("scratch.over_reserve must be 'shrink' or 'none'")
+
+
+@dataclass(frozen=True)
+class WrapperConfig:
+    signal: str = "USR1"
+    """The checkpoint signal; must match sbatch --signal."""
+    max_requeues: int = 10
+    """Requeues allowed per job before the wrapper gives up."""
+    margin: float = 15.0
+    """Seconds kept free before the job's end time when waiting for a checkpoint."""
+    requeue_exit: int = 0
+    """If set, exit with this code instead of calling scontrol (slurm.conf RequeueExit)."""
+
+    def validate(self) -> None:
+        if self.max_requeues < 0:
+            raise ConfigError("wrapper.max_requeues must be >= 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    threads: int = 0
+    """Writer threads; 0 picks by core count."""
+    chunk_size: Size = Size(64 * 1024**2)
+    """Bytes per write call."""
+    direct_io: bool = True
+    """Use O_DIRECT where the filesystem supports it."""
+
+
+@dataclass(frozen=True)
+class IOLimits:
+    weight: int = 0
+    """bfq / io.weight 1-1000 (0 leaves it unset)."""
+    read_bps: Size = Size(0)
+    write_bps: Size = Size(0)
+    read_iops: int = 0
+    write_iops: int = 0
+
+
+@dataclass(frozen=True)
+class IOConfig:
+    enabled: bool = True
+    device: str = ""
+    """Block device (e.g. /dev/nvme0n1) the limits apply to; empty: the scratch base's."""
+    default: IOLimits = field(default_factory=IOLimits)
+    partitions: Mapping[str, IOLimits] = field(default_factory=dict)
+
+    def for_partition(self, name: str | None) -> IOLimits:
+        return self.partitions.get(name or "", self.default)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    textfile_dir: str = ""
+    """node_exporter textfile-collector dir; empty disables the file."""
+    port: int = 0
+    """Serve metrics with prometheus_client on this port; 0 disables."""
+
+
+@dataclass(frozen=True)
+class Config:
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    scratch: ScratchConfig = field(default_factory=ScratchConfig)
+    wrapper: WrapperConfig = field(default_factory=WrapperConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    io: IOConfig = field(default_factory=IOConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def validate(self) -> Config:
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            check = getattr(section, "validate", None)
+            if check:
+                check()
+        return self
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
+) -> Config:
+    """Build the effective config: defaults < site file < environment.
+
+    ``path`` defaults to ``$SLURM_CKPT_CONFIG``, else the site file; a missing
+    site file is fine, a missing file named explicitly is an error.
+    """
+    env = os.environ if env is None else env
+    explicit = path is not None or "SLURM_CKPT_CONFIG" in env
+    src = Path(path if path is not None else env.get("SLURM_CKPT_CONFIG", DEFAULT_CONFIG_PATH))
+    data: dict[str, Any] = {}
+    if src.exists():
+        try:
+            loaded = yaml.safe_load(src.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{src}: cannot read config: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{src}: the top level must be a mapping of sections")
+        data = loaded or {}
+    elif explicit:
+        raise ConfigError(f"{src}: config file not found (set by SLURM_CKPT_CONFIG or --config)")
+    cfg = _build(Config, data, str(src), "")
+    return _apply_env(cfg, env).validate()
+
+
+def _apply_env(cfg: Config, env: Mapping[str, str]) -> Config:
+    sections = {}
+    for sec in dataclasses.fields(cfg):
+        obj = getattr(cfg, sec.name)
+        changes = {}
+        hints = typing.get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            var = f"SLURM_CKPT_{sec.name.upper()}_{f.name.upper()}"
+            if var in env and _is_scalar(hints[f.name]):
+                changes[f.name] = _coerce(hints[f.name], env[var], var, "environment")
+        if changes:
+            sections[sec.name] = dataclasses.replace(obj, **changes)
+    return dataclasses.replace(cfg, **sections) if sections else cfg
+
+
+def _is_scalar(tp: Any) -> bool:
+    return tp in (str, int, float, bool, Size) or typing.get_origin(tp) is tuple
+
+
+def _build(cls: type[Any], data: Any, src: str, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{src}: {prefix or 'top level'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{prefix}{key}"
+        if key not in valid:
+            raise ConfigError(f"{src}: unknown key {where!r}; valid keys: {', '.join(valid)}")
+        kwargs[key] = _coerce(hints[key], value, where, src)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, where: str, src: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, src, f"{where}.")
+    if origin in (Mapping, dict):
+        _, vtype = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{src}: {where} must be a mapping")
+        return {str(k): _coerce(vtype, v, f"{where}.{k}", src) for k, v in value.items()}
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list | tuple):
+            raise ConfigError(f"{src}: {where} must be a list, got {value!r}")
+        return tuple(str(i).strip() for i in items)
+    if tp is Size:
+        try:
+            return Size(parse_size(value))
+        except ConfigError as e:
+            raise ConfigError(f"{src}: {where}: {e}") from None
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        if isinstance(value, bool):
+            return value
+    elif tp is int and not isinstance(value, bool):
+        try:
+            if isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit()):
+                return int(value)
+        except ValueError:
+            pass
+    elif tp is float and not isinstance(value, bool):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    elif tp is str and isinstance(value, str | int | float) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{src}: {where} must be of type {getattr(tp, '__name__', tp)}, got {value!r}")

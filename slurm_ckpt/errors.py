@@ -1,0 +1,132 @@
+"""The exceptions slurm-ckpt raises.
+
+Every error subclasses :class:`SlurmCkptError` and also the built-in it means,
+so ``except OSError`` in a user's code still catches a full disk::
+
+    SlurmCkptError(Exception)
+     ├── ConfigError(ValueError)          bad YAML, key, type or size
+     ├── CheckpointCorrupt(ValueError)    a checkpoint failed verification
+     ├── NoCheckpoint(LookupError)        nothing valid to resume from
+     ├── UnsafeLoad(PermissionError)      pickle found, trusted loading not enabled
+ ├── UnsupportedValue(TypeError)      a state value we cannot store safely
+     ├── LockHeld(TimeoutError)           another writer owns the run dir
+     ├── StorageError(OSError)            an I/O call failed; carries path and errno
+     │    └── NoSpace                     ENOSPC / EDQUOT
+     └── SlurmError(RuntimeError)         a Slurm command failed
+
+Each message says what to do about it. Mapping errors to exit codes happens in
+``cli.py`` only.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+__all__ = [
+    "CheckpointCorrupt",
+    "ConfigError",
+    "LockHeld",
+    "NoCheckpoint",
+    "NoSpace",
+    "SlurmCkptError",
+    "SlurmError",
+    "StorageError",
+    "UnsafeLoad",
+    "UnsupportedValue",
+    "storage_error",
+]
+
+
+class SlurmCkptError(Exception):
+    """Base class of every slurm-ckpt error."""
+
+
+class ConfigError(SlurmCkptError, ValueError):
+    """The configuration (YAML, env or flag) is invalid."""
+
+
+class CheckpointCorrupt(SlurmCkptError, ValueError):
+    """A checkpoint does not verify. ``path`` names the bad file."""
+
+    def __init__(self, message: str, path: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(message)
+        self.path = None if path is None else os.fspath(path)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.path))
+
+
+class NoCheckpoint(SlurmCkptError, LookupError):
+    """No valid checkpoint exists in the searched run dirs."""
+
+
+class UnsafeLoad(SlurmCkptError, PermissionError):
+    """The checkpoint holds pickled objects and trusted loading was not enabled."""
+
+
+class UnsupportedValue(SlurmCkptError, TypeError):
+    """A state holds a value with no safe encoding (and pickling was not allowed)."""
+
+
+class LockHeld(SlurmCkptError, TimeoutError):
+    """Another writer holds the run dir lock."""
+
+
+_HINTS = {
+    _errno.ENOSPC: "the filesystem is full: free space, lower storage.keep, or point "
+    "SLURM_CKPT_DIR at a larger filesystem",
+    _errno.EDQUOT: "your quota is exhausted: check `quota -s` (or `lfs quota`), lower "
+    "storage.keep, or ask for more quota",
+    _errno.EROFS: "the filesystem is read-only (often a remount after errors): tell your "
+    "admins; checkpoints can go to scratch meanwhile",
+    _errno.EIO: "the storage returned an I/O error: retry later and run `slurm-ckpt doctor`",
+    _errno.ESTALE: "stale NFS file handle: the directory changed on the server; retry",
+    _errno.EACCES: "permission denied: check the owner and mode of the run dir",
+}
+
+
+class StorageError(SlurmCkptError, OSError):
+    """An I/O operation on checkpoint storage failed.
+
+    Carries ``errno``, ``filename`` (the path) and ``hint`` (what to do).
+    """
+
+    def __init__(self, err: int, message: str, path: str | os.PathLike[str] | None = None):
+        self.hint = _HINTS.get(err, "run `slurm-ckpt doctor` on the run dir")
+        super().__init__(err, f"{message}: {os.strerror(err)}; {self.hint}")
+        self.filename = None if path is None else os.fspath(path)
+
+    def __str__(self) -> str:
+        where = f" [{self.filename}]" if self.filename else ""
+        return f"{self.strerror}{where}"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_storage_error, (type(self), self.errno, self.strerror, self.filename))
+
+
+def _rebuild_storage_error(
+    cls: type[StorageError], err: int, message: str, path: str | None
+) -> StorageError:
+    obj = cls.__new__(cls)
+    OSError.__init__(obj, err, message)
+    obj.hint = _HINTS.get(err, "")
+    obj.filename = path
+    return obj
+
+
+class NoSpace(StorageError):
+    """ENOSPC or EDQUOT: the filesystem or the quota is full."""
+
+
+class SlurmError(SlurmCkptError, RuntimeError):
+    """A Slurm command or API call failed."""
+
+
+def storage_error(exc: OSError, what: str, path: str | os.PathLike[str] | None = None) -> StorageError:
+    """Wrap an ``OSError`` from the filesystem into our typed error, keeping errno."""
+    if isinstance(exc, StorageError):
+        return exc
+    err = exc.errno or _errno.EIO
+    cls = NoSpace if err in (_errno.ENOSPC, _errno.EDQUOT) else StorageError
+    return cls(err, what, path if path is not None else exc.filename)

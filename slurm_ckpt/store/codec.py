@@ -1,0 +1,230 @@
+"""State <-> (JSON tree, tensors): the safe encoding of a checkpoint's contents.
+
+A state is nested dicts, lists and tuples of tensors and plain values. Tensors
+leave the tree and go to safetensors-layout data files; everything else becomes
+JSON in ``state.json``. JSON values that JSON cannot say natively are tagged
+objects with a single ``$``-key:
+
+=================  ==========================================================
+``{"$t": key}``     a tensor stored under ``key`` in a data file
+``{"$np": key}``    a numpy array, stored as a tensor
+``{"$tuple": []}``  a tuple
+``{"$items": []}``  a dict whose keys are not all plain strings (e.g. the int
+                    keys of an optimizer state_dict), as ``[key, value]`` pairs
+``{"$bytes": b64}`` bytes
+``{"$float": s}``   ``nan``, ``inf`` or ``-inf``
+``{"$dtype": s}``   a ``torch.dtype``
+``{"$pickle": i}``  object ``i`` of ``objects.pkl`` (opt-in, trusted input only)
+=================  ==========================================================
+
+Tensors that are the same view of the same storage (tied weights) are stored
+once and come back as one tensor object, so ties survive a round trip.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import UnsafeLoad, UnsupportedValue
+
+__all__ = ["EncodedState", "TensorEntry", "decode_state", "encode_state", "torch_dtype"]
+
+# safetensors' dtype names; F8 types exist in torch >= 2.1.
+_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
+    "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64",
+    "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "C64": "complex64", "C128": "complex128",
+}  # fmt: skip
+_TORCH_TO_ST = {v: k for k, v in _DTYPES.items()}
+
+
+def torch_dtype(name: str) -> Any:
+    """The torch dtype for a safetensors dtype name."""
+    import torch
+
+    return getattr(torch, _DTYPES[name])
+
+
+def st_dtype(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return _TORCH_TO_ST[name]
+    except KeyError:
+        raise UnsupportedValue(f"tensor dtype {name} cannot be stored; cast it first") from None
+
+
+@dataclass
+class TensorEntry:
+    """A tensor leaving the tree. ``tensor`` is CPU and contiguous."""
+
+    key: str
+    tensor: Any
+    dtype: str
+    shape: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.tensor.numel() * self.tensor.element_size())
+
+
+@dataclass
+class EncodedState:
+    tree: Any
+    tensors: list[TensorEntry] = field(default_factory=list)
+    objects: list[Any] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def _escape(part: str) -> str:
+    return part.replace("%", "%25").replace("/", "%2F")
+
+
+def encode_state(
+    state: Any, *, allow_pickle: bool = False, prepare: Callable[[Any], Any] | None = None
+) -> EncodedState:
+    """Split ``state`` into a JSON tree and a list of tensors.
+
+    ``prepare`` maps each tensor to the CPU contiguous tensor that will be
+    written (the engine passes its staging copy here); by default tensors are
+    moved to the CPU and made contiguous, copying only when needed.
+    """
+    out = EncodedState(tree=None)
+    seen: dict[tuple[Any, ...], str] = {}
+    keys: set[str] = set()
+
+    def tensor_ref(t: Any, path: str, tag: str) -> dict[str, str]:
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                 tuple(t.stride()), t.dtype, str(t.device))  # fmt: skip
+        if t.numel() and ident in seen:
+            return {tag: seen[ident]}
+        key = path.lstrip("/") or "."
+        while key in keys:
+            key += "'"
+        keys.add(key)
+        if t.numel():
+            seen[ident] = key
+        dtype = st_dtype(t.dtype)
+        data = prepare(t) if prepare else t.detach().to("cpu").contiguous()
+        out.tensors.append(TensorEntry(key, data, dtype, list(t.shape)))
+        return {tag: key}
+
+    def enc(obj: Any, path: str) -> Any:
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, int):
+            return int(obj)
+        if isinstance(obj, float):
+            if math.isfinite(obj):
+                return obj
+            return {"$float": repr(obj)}
+        tname = type(obj).__module__.split(".")[0]
+        if tname == "torch":
+            import torch
+
+            if isinstance(obj, torch.Tensor):
+                if obj.is_sparse or obj.layout != torch.strided:
+                    raise UnsupportedValue(f"{path}: sparse tensors are not supported; call .to_dense()")
+                return tensor_ref(obj, path, "$t")
+            if isinstance(obj, torch.dtype):
+                return {"$dtype": str(obj).removeprefix("torch.")}
+            if isinstance(obj, torch.Size):
+                return {"$tuple": [int(d) for d in obj]}
+        if tname == "numpy":
+            import numpy as np
+
+            if isinstance(obj, np.ndarray) and obj.dtype != object:
+                import torch
+
+                return tensor_ref(torch.from_numpy(np.ascontiguousarray(obj)), path, "$np")
+            if isinstance(obj, np.generic):
+                return enc(obj.item(), path)
+        if isinstance(obj, dict):
+            if all(isinstance(k, str) and not k.startswith("$") for k in obj):
+                return {k: enc(v, f"{path}/{_escape(k)}") for k, v in obj.items()}
+            return {"$items": [[enc(k, f"{path}/$key"), enc(v, f"{path}/{_escape(str(k))}")]
+                               for k, v in obj.items()]}  # fmt: skip
+        if isinstance(obj, list):
+            return [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]
+        if isinstance(obj, tuple) and type(obj) is tuple:
+            return {"$tuple": [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]}
+        if isinstance(obj, (bytes, bytearray)):
+            return {"$bytes": base64.b64encode(bytes(obj)).decode("ascii")}
+        if allow_pickle:
+            out.objects.append(obj)
+            return {"$pickle": len(out.objects) - 1}
+        raise UnsupportedValue(
+            f"{path or '/'}: cannot store a {type(obj).__qualname__} safely; convert it to "
+            "tensors and plain values, or pass allow_pickle=True (trusted input only)"
+        )
+
+    out.tree = enc(state, "")
+    return out
+
+
+def decode_state(
+    tree: Any,
+    load_tensor: Callable[[str], Any],
+    objects_blob: Callable[[], bytes] | None,
+    *,
+    trusted: bool = False,
+) -> Any:
+    """Rebuild a state from its JSON tree; ``load_tensor(key)`` returns a tensor."""
+    tensors: dict[str, Any] = {}
+    objects: list[Any] | None = None
+
+    def tensor(key: str) -> Any:
+        if key not in tensors:
+            tensors[key] = load_tensor(key)
+        return tensors[key]
+
+    def dec(obj: Any) -> Any:
+        nonlocal objects
+        if isinstance(obj, list):
+            return [dec(v) for v in obj]
+        if not isinstance(obj, dict):
+            return obj
+        if len(obj) == 1:
+            (tag, val), = obj.items()
+            if tag == "$t":
+                return tensor(val)
+            if tag == "$np":
+                return tensor(val).numpy()
+            if tag == "$tuple":
+                return tuple(dec(v) for v in val)
+            if tag == "$items":
+                return {_hashable(dec(k)): dec(v) for k, v in val}
+            if tag == "$bytes":
+                return base64.b64decode(val)
+            if tag == "$float":
+                return float(val)
+            if tag == "$dtype":
+                import torch
+
+                return getattr(torch, val)
+            if tag == "$pickle":
+                if not trusted:
+                    raise UnsafeLoad(
+                        "this checkpoint holds pickled objects, which can run code when "
+                        "loaded; pass trusted=True only if you trust who wrote it"
+                    )
+                if objects is None:
+                    assert objects_blob is not None
+                    objects = pickle.loads(objects_blob())  # noqa: S301 - opt-in, documented
+                return objects[val]
+        return {k: dec(v) for k, v in obj.items()}
+
+    return dec(tree)
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key

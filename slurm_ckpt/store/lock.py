@@ -1,0 +1,63 @@
+"""One writer per run dir: a filelock plus a note saying who holds it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import filelock
+
+from ..errors import LockHeld, storage_error
+from .layout import LOCK_NAME
+
+__all__ = ["RunDirLock"]
+
+
+class RunDirLock:
+    """An exclusive lock on a run dir, held for the writer's lifetime.
+
+    ``timeout=0`` fails at once with :class:`LockHeld` naming the holder;
+    a positive timeout waits that long; ``None`` waits forever.
+    """
+
+    def __init__(self, run_dir: Path, timeout: float | None = 0) -> None:
+        self.path = run_dir / LOCK_NAME
+        self.owner_path = run_dir / (LOCK_NAME + ".owner")
+        self.timeout = -1 if timeout is None else timeout
+        self._lock = filelock.FileLock(str(self.path), thread_local=False)
+
+    @property
+    def held(self) -> bool:
+        return self._lock.is_locked
+
+    def acquire(self) -> None:
+        try:
+            self._lock.acquire(timeout=self.timeout)
+        except filelock.Timeout:
+            raise LockHeld(
+                f"{self.path.parent} is locked by another writer ({self.holder()}); "
+                "stop it, give this job its own SLURM_CKPT_DIR, or wait with lock_timeout="
+            ) from None
+        except OSError as e:
+            raise storage_error(e, "cannot lock run dir (does the filesystem support flock?)", self.path) from e
+        note = {"host": socket.gethostname(), "pid": os.getpid(),
+                "job_id": os.environ.get("SLURM_JOB_ID", ""), "since": time.time()}  # fmt: skip
+        try:
+            self.owner_path.write_text(json.dumps(note))
+        except OSError:
+            pass  # the note is advisory; the lock itself is what protects
+
+    def holder(self) -> str:
+        try:
+            note = json.loads(self.owner_path.read_text())
+            job = f", job {note['job_id']}" if note.get("job_id") else ""
+            return f"pid {note['pid']} on {note['host']}{job}"
+        except (OSError, ValueError, KeyError):
+            return "holder unknown"
+
+    def release(self) -> None:
+        if self._lock.is_locked:
+            self._lock.release()

@@ -1,0 +1,96 @@
+"""MANIFEST.json: the record that makes a checkpoint directory a checkpoint.
+
+It is written last, so a directory without a readable manifest was never
+committed. It lists every file with its size and checksum, and the tensor index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointCorrupt, storage_error
+from .tensorfile import CHECKSUM, FileRecord
+
+__all__ = ["FORMAT", "MANIFEST", "VERSION", "Manifest"]
+
+FORMAT = "slurm-ckpt"
+VERSION = 1
+MANIFEST = "MANIFEST.json"
+
+
+@dataclass
+class Manifest:
+    step: int
+    files: dict[str, FileRecord]
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Tensor key -> {"file", "dtype", "shape"}."""
+    time: float = field(default_factory=time.time)
+    host: str = field(default_factory=socket.gethostname)
+    job_id: str = field(default_factory=lambda: os.environ.get("SLURM_JOB_ID", ""))
+    world_size: int = 1
+    nbytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": self.step,
+            "time": self.time,
+            "time_iso": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.time)),
+            "host": self.host,
+            "job_id": self.job_id,
+            "world_size": self.world_size,
+            "nbytes": self.nbytes,
+            "checksum": CHECKSUM,
+            "files": {name: rec.to_json() for name, rec in sorted(self.files.items())},
+            "tensors": self.tensors,
+            "extra": self.extra,
+        }
+        return json.dumps(doc, indent=1).encode()
+
+    @classmethod
+    def read(cls, ckpt_dir: Path) -> Manifest:
+        """Parse and validate a manifest; :class:`CheckpointCorrupt` if it is bad."""
+        path = ckpt_dir / MANIFEST
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"{path}: manifest missing (never committed?)", path) from None
+        except OSError as e:
+            raise storage_error(e, "cannot read manifest", path) from e
+        try:
+            doc = json.loads(raw)
+            if doc.get("format") != FORMAT:
+                raise ValueError(f"format is {doc.get('format')!r}, not {FORMAT!r}")
+            if doc.get("version") != VERSION:
+                raise ValueError(
+                    f"format version {doc.get('version')} is not {VERSION}; "
+                    "upgrade slurm-ckpt to read it"
+                )
+            if doc.get("checksum") != CHECKSUM:
+                raise ValueError(f"unknown checksum {doc.get('checksum')!r}")
+            files = {}
+            for name, rec in doc["files"].items():
+                if name.startswith("/") or ".." in Path(name).parts:
+                    raise ValueError(f"file name {name!r} escapes the checkpoint")
+                files[name] = FileRecord(int(rec["size"]), str(rec[CHECKSUM]))
+            return cls(
+                step=int(doc["step"]),
+                files=files,
+                tensors=dict(doc["tensors"]),
+                time=float(doc["time"]),
+                host=str(doc["host"]),
+                job_id=str(doc["job_id"]),
+                world_size=int(doc["world_size"]),
+                nbytes=int(doc.get("nbytes", 0)),
+                extra=dict(doc.get("extra", {})),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointCorrupt(f"{path}: invalid manifest: {e}", path) from None

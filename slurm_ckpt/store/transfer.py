@@ -1,0 +1,77 @@
+"""Copy a committed checkpoint to another run dir with the same commit protocol.
+
+Used by the tier drain (scratch -> durable) and by the epilog's stage-out.
+Every byte is checksummed as it is copied and compared with the source
+manifest, so a bad source or a bad copy is never committed.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointCorrupt, storage_error
+from .commit import commit
+from .fsutil import fsync_file
+from .manifest import Manifest
+from .tensorfile import CHUNK, FileRecord
+from .verify import verify_checkpoint
+
+__all__ = ["copy_checkpoint"]
+
+
+def _copy_file(src: Path, dst: Path, expected: FileRecord) -> FileRecord:
+    crc = 0
+    size = 0
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    # O_NOFOLLOW: the epilog runs this as the job's user on a user-writable
+    # tree; a symlink planted there must not redirect what is read.
+    try:
+        sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise storage_error(e, "cannot open checkpoint file", src) from e
+    try:
+        if not os.path.isfile(f"/proc/self/fd/{sfd}"):
+            raise CheckpointCorrupt(f"{src}: not a regular file", src)
+        dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            while n := os.readv(sfd, [view]):
+                crc = zlib.crc32(view[:n], crc)
+                out = view[:n]
+                while out:
+                    out = out[os.write(dfd, out) :]
+                size += n
+            fsync_file(dfd, dst)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        raise storage_error(e, "cannot copy checkpoint file", dst) from e
+    finally:
+        os.close(sfd)
+    got = FileRecord(size, f"{crc:08x}")
+    if got != expected:
+        raise CheckpointCorrupt(
+            f"{src}: copy read {got.size} bytes crc32 {got.checksum}, manifest expects "
+            f"{expected.size} bytes crc32 {expected.checksum}",
+            src,
+        )
+    return got
+
+
+def copy_checkpoint(src: Path, dst_run_dir: Path) -> Path:
+    """Copy checkpoint dir ``src`` into ``dst_run_dir`` as the same step; return the new path."""
+    man: Manifest = verify_checkpoint(src, full=False)
+
+    def write(tmp: Path) -> tuple[dict[str, FileRecord], dict[str, Any]]:
+        files = {}
+        for name, rec in man.files.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            files[name] = _copy_file(src / name, tmp / name, rec)
+        return files, man.tensors
+
+    extra = dict(man.extra, copied_from=str(src))
+    return commit(dst_run_dir, man.step, write, time=man.time, host=man.host, job_id=man.job_id,
+                  world_size=man.world_size, nbytes=man.nbytes, extra=extra)  # fmt: skip

@@ -1,0 +1,133 @@
+"""Verification and discovery: which checkpoints are valid, and the newest one.
+
+Discovery walks ``step-*`` from the newest down and returns the first that
+verifies. It never returns a partial or corrupt checkpoint, and it reports why
+it skipped each one it passed over.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CheckpointCorrupt, storage_error
+from .layout import list_steps
+from .manifest import Manifest
+from .tensorfile import CHUNK, read_header
+
+__all__ = ["Candidate", "Skipped", "find_latest", "iter_valid", "note_skip", "verify_checkpoint"]
+
+log = logging.getLogger("slurm_ckpt")
+
+
+@dataclass(frozen=True)
+class Skipped:
+    path: Path
+    reason: str
+
+
+@dataclass(frozen=True)
+class Candidate:
+    step: int
+    path: Path
+    manifest: Manifest
+
+
+def verify_checkpoint(path: Path, *, full: bool = True) -> Manifest:
+    """Check a checkpoint dir; return its manifest or raise :class:`CheckpointCorrupt`.
+
+    ``full=False`` checks the manifest, every file's presence and size, and the
+    data files' headers. ``full=True`` also recomputes every checksum.
+    """
+    man = Manifest.read(path)
+    if man.step != _step_of(path, man.step):
+        raise CheckpointCorrupt(f"{path}: manifest says step {man.step}", path / "MANIFEST.json")
+    for name, rec in man.files.items():
+        fpath = path / name
+        try:
+            st = os.lstat(fpath)
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"{fpath}: file missing", fpath) from None
+        except OSError as e:
+            raise storage_error(e, "cannot stat checkpoint file", fpath) from e
+        if st.st_size != rec.size:
+            raise CheckpointCorrupt(
+                f"{fpath}: size is {st.st_size}, manifest expects {rec.size}", fpath
+            )
+        if full:
+            got = _crc_file(fpath)
+            if got != rec.checksum:
+                raise CheckpointCorrupt(
+                    f"{fpath}: checksum mismatch: expected crc32 {rec.checksum}, got {got}",
+                    fpath,
+                )
+        elif name.endswith(".safetensors"):
+            with open(fpath, "rb") as f:
+                read_header(f, fpath, st.st_size)
+        elif name.endswith(".json"):
+            try:
+                json.loads(fpath.read_bytes())
+            except ValueError as e:
+                raise CheckpointCorrupt(f"{fpath}: not valid JSON ({e})", fpath) from None
+    return man
+
+
+def _step_of(path: Path, default: int) -> int:
+    try:
+        return int(path.name.removeprefix("step-"))
+    except ValueError:
+        return default
+
+
+def _crc_file(path: Path) -> str:
+    crc = 0
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(view):
+                crc = zlib.crc32(view[:n], crc)
+    except OSError as e:
+        raise storage_error(e, "cannot read checkpoint file", path) from e
+    return f"{crc:08x}"
+
+
+def iter_valid(
+    run_dirs: Iterable[Path], *, full: bool = True, skipped: list[Skipped] | None = None
+) -> Iterator[Candidate]:
+    """Checkpoints across ``run_dirs`` that verify, newest first.
+
+    Each one passed over is logged as a warning with its reason and, when
+    ``skipped`` is given, appended to it. Callers pass over a yielded
+    candidate that later fails its checksum by simply continuing the loop.
+    """
+    candidates = sorted(
+        ((step, p) for d in run_dirs for step, p in list_steps(Path(d))),
+        key=lambda sp: sp[0],
+        reverse=True,
+    )
+    for step, path in candidates:
+        try:
+            man = verify_checkpoint(path, full=full)
+        except CheckpointCorrupt as e:
+            note_skip(path, str(e), skipped)
+            continue
+        yield Candidate(step, path, man)
+
+
+def note_skip(path: Path, reason: str, skipped: list[Skipped] | None) -> None:
+    log.warning("skipping %s: %s", path, reason)
+    if skipped is not None:
+        skipped.append(Skipped(path, reason))
+
+
+def find_latest(
+    run_dirs: Iterable[Path], *, full: bool = True, skipped: list[Skipped] | None = None
+) -> Candidate | None:
+    """The newest checkpoint across ``run_dirs`` that verifies, or None."""
+    return next(iter_valid(run_dirs, full=full, skipped=skipped), None)

@@ -1,0 +1,88 @@
+"""Turn an encoded state into checkpoint files, and back.
+
+This is the plain sequential reference path; ``slurm_ckpt.engine`` supplies the
+parallel one. Both produce the same files, so either can read what the other wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointCorrupt, UnsafeLoad, storage_error
+from .codec import EncodedState, decode_state
+from .fsutil import write_file_durably
+from .manifest import Manifest
+from .tensorfile import FileRecord, read_tensors, write_tensor_file
+
+__all__ = ["OBJECTS_FILE", "STATE_FILE", "load_state", "tensor_file_name", "write_small_files", "write_state"]
+
+STATE_FILE = "state.json"
+OBJECTS_FILE = "objects.pkl"
+
+
+def tensor_file_name(index: int) -> str:
+    return f"tensors-{index:05d}.safetensors"
+
+
+def write_small_files(tmp: Path, enc: EncodedState) -> dict[str, FileRecord]:
+    """state.json (and objects.pkl when pickling was allowed), fsynced."""
+    import zlib
+
+    out = {}
+    blobs = {STATE_FILE: json.dumps(enc.tree, separators=(",", ":"), allow_nan=False).encode()}
+    if enc.objects:
+        blobs[OBJECTS_FILE] = pickle.dumps(enc.objects, protocol=pickle.HIGHEST_PROTOCOL)
+    for name, data in blobs.items():
+        write_file_durably(tmp / name, data)
+        out[name] = FileRecord(len(data), f"{zlib.crc32(data):08x}")
+    return out
+
+
+def write_state(tmp: Path, enc: EncodedState) -> tuple[dict[str, FileRecord], dict[str, Any]]:
+    """Write all files of ``enc`` into ``tmp``; every file is fsynced before return."""
+    name = tensor_file_name(0)
+    files = write_small_files(tmp, enc)
+    if enc.tensors:
+        files[name] = write_tensor_file(tmp / name, enc.tensors)
+    index = {t.key: {"file": name, "dtype": t.dtype, "shape": t.shape} for t in enc.tensors}
+    return files, index
+
+
+def load_state(
+    ckpt: Path, man: Manifest, *, map_location: Any = None, trusted: bool = False
+) -> Any:
+    """Read a committed checkpoint, verifying every checksum as the bytes arrive."""
+    from .verify import _crc_file
+
+    for small in (STATE_FILE, OBJECTS_FILE):
+        rec = man.files.get(small)
+        if rec is not None and _crc_file(ckpt / small) != rec.checksum:
+            raise CheckpointCorrupt(f"{ckpt / small}: checksum mismatch", ckpt / small)
+    try:
+        tree = json.loads((ckpt / STATE_FILE).read_bytes())
+    except OSError as e:
+        raise storage_error(e, "cannot read state", ckpt / STATE_FILE) from e
+    by_file: dict[str, list[str]] = {}
+    for key, info in man.tensors.items():
+        by_file.setdefault(info["file"], []).append(key)
+    tensors: dict[str, Any] = {}
+    for fname in by_file:
+        if fname not in man.files:
+            raise CheckpointCorrupt(f"{ckpt}: tensor file {fname} not in manifest", ckpt / fname)
+        tensors.update(read_tensors(ckpt / fname, man.files[fname], device=map_location))
+
+    def load_tensor(key: str) -> Any:
+        try:
+            return tensors[key]
+        except KeyError:
+            raise CheckpointCorrupt(f"{ckpt}: tensor {key!r} missing", ckpt) from None
+
+    if OBJECTS_FILE in man.files and not trusted:
+        raise UnsafeLoad(
+            f"{ckpt} holds pickled objects, which can run code when loaded; "
+            "pass trusted=True only if you trust who wrote it"
+        )
+    return decode_state(tree, load_tensor, lambda: (ckpt / OBJECTS_FILE).read_bytes(), trusted=trusted)
