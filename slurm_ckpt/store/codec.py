@@ -13,6 +13,8 @@ objects with a single ``$``-key:
                     keys of an optimizer state_dict), as ``[key, value]`` pairs
 ``{"$bytes": b64}`` bytes
 ``{"$float": s}``   ``nan``, ``inf`` or ``-inf``
+``{"$int": hex}``   an int too big for a JSON number (Python refuses to print
+                    ints over 4300 digits in decimal; hex has no such limit)
 ``{"$dtype": s}``   a ``torch.dtype``
 ``{"$pickle": i}``  object ``i`` of ``objects.pkl`` (opt-in, trusted input only)
 =================  ==========================================================
@@ -43,6 +45,8 @@ _DTYPES = {
     "C64": "complex64", "C128": "complex128",
 }  # fmt: skip
 _TORCH_TO_ST = {v: k for k, v in _DTYPES.items()}
+_MAX_JSON_INT_BITS = 10_000
+"""About 3000 decimal digits, safely under Python's 4300-digit str() limit."""
 
 
 def torch_dtype(name: str) -> Any:
@@ -100,7 +104,8 @@ def encode_state(
     """
     out = EncodedState(tree=None)
     seen: dict[tuple[Any, ...], str] = {}
-    keys: set[str] = set()
+    # safetensors reserves "__metadata__" for its own header entry.
+    keys: set[str] = {"__metadata__"}
 
     def tensor_ref(t: Any, path: str, tag: str) -> dict[str, str]:
         ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
@@ -122,7 +127,7 @@ def encode_state(
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if isinstance(obj, int):
-            return int(obj)
+            return int(obj) if obj.bit_length() <= _MAX_JSON_INT_BITS else {"$int": hex(obj)}
         if isinstance(obj, float):
             if math.isfinite(obj):
                 return obj
@@ -207,6 +212,8 @@ def decode_state(
                 return base64.b64decode(val)
             if tag == "$float":
                 return float(val)
+            if tag == "$int":
+                return int(val, 16)
             if tag == "$dtype":
                 import torch
 

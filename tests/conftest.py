@@ -1,0 +1,66 @@
+"""Fixtures shared by the whole suite. Keep this small and generic."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_process_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No SLURM_CKPT_* from the caller's shell leaks in; signal handlers are restored.
+
+    A ``Checkpointer`` installs SIGTERM/SIGUSR1 handlers in the main thread;
+    without the restore, one test would change how later tests react to signals.
+    """
+    for var in list(os.environ):
+        if var.startswith("SLURM_CKPT_"):
+            monkeypatch.delenv(var)
+    saved = {s: signal.getsignal(s) for s in _SIGNALS}
+    yield
+    for s, handler in saved.items():
+        if handler is not None:
+            signal.signal(s, handler)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """A fresh, not yet created run dir."""
+    return tmp_path / "run"
+
+
+def _is_mountpoint(path: Path) -> bool:
+    return subprocess.run(["mountpoint", "-q", str(path)], check=False).returncode == 0
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """Factory: ``tmpfs("4m")`` mounts a real tmpfs of that size and returns its path.
+
+    Skips unless root. Every mount is unmounted at teardown, even on failure.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        path = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
+        path.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
+                       check=True)  # fmt: skip
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        if _is_mountpoint(path):
+            # -l: a test that failed may still hold a file open in there.
+            subprocess.run(["umount", "-l", str(path)], check=False)
