@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -45,10 +46,9 @@ class RunDirLock:
             raise storage_error(e, "cannot lock run dir (does the filesystem support flock?)", self.path) from e
         note = {"host": socket.gethostname(), "pid": os.getpid(),
                 "job_id": os.environ.get("SLURM_JOB_ID", ""), "since": time.time()}  # fmt: skip
-        try:
+        # The note is advisory; the lock itself is what protects.
+        with contextlib.suppress(OSError):
             self.owner_path.write_text(json.dumps(note))
-        except OSError:
-            pass  # the note is advisory; the lock itself is what protects
 
     def holder(self) -> str:
         try:

@@ -58,7 +58,9 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
 
 floats = st.floats(allow_nan=True, allow_infinity=True)
 ints = st.integers() | st.integers(min_value=2**63, max_value=2**300) | st.just(-(2**80))
-keys_str = st.text(max_size=8) | st.sampled_from(["$t", "$items", "a/b", "%2F", "__metadata__", "."])
+keys_str = st.text(max_size=8) | st.sampled_from(
+    ["$t", "$items", "a/b", "%2F", "__metadata__", "."]
+)
 
 
 @st.composite
@@ -68,10 +70,12 @@ def states(draw: st.DrawFn) -> Any:
     leaf = leaf | st.sampled_from(pool)  # drawing the same object twice makes a tie
     tree = st.recursive(
         leaf,
-        lambda kids: st.lists(kids, max_size=4)
-        | st.lists(kids, max_size=3).map(tuple)
-        | st.dictionaries(keys_str, kids, max_size=4)
-        | st.dictionaries(st.integers(-3, 10**20) | keys_str, kids, max_size=4),
+        lambda kids: (
+            st.lists(kids, max_size=4)
+            | st.lists(kids, max_size=3).map(tuple)
+            | st.dictionaries(keys_str, kids, max_size=4)
+            | st.dictionaries(st.integers(-3, 10**20) | keys_str, kids, max_size=4)
+        ),
         max_leaves=12,
     )
     return draw(tree)
@@ -95,7 +99,9 @@ def assert_same(a: Any, b: Any, where: str = "/") -> None:
         assert a.dtype == b.dtype and a.shape == b.shape, where
         assert raw(a) == raw(b), f"{where}: tensor bytes differ"
     elif isinstance(a, float):
-        assert struct.pack("<d", a) == struct.pack("<d", b) or (math.isnan(a) and math.isnan(b)), where
+        assert struct.pack("<d", a) == struct.pack("<d", b) or (math.isnan(a) and math.isnan(b)), (
+            where
+        )
     elif isinstance(a, dict):
         assert list(a) == list(b), f"{where}: keys {list(a)} became {list(b)}"
         for k in a:
