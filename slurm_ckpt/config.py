@@ -29,8 +29,8 @@ from .errors import ConfigError
 __all__ = [
     "Config",
     "EngineConfig",
-    "IOLimits",
     "IOConfig",
+    "IOLimits",
     "MetricsConfig",
     "ScratchConfig",
     "StorageConfig",
