@@ -101,7 +101,7 @@ class Checkpointer:
             step, lambda tmp: write_state(tmp, enc), nbytes=enc.nbytes, job_id=job_id()
         )
         self.last_committed = path
-        self.run_dir.retain(self.keep)
+        self.run_dir.retain(self.keep, protect=[path])
         self.control.report_committed(step, str(path))
         return path
 
@@ -120,10 +120,10 @@ class Checkpointer:
                 path = self.run_dir.commit(step, lambda tmp: write_state(tmp, staged),
                                            nbytes=staged.nbytes, job_id=job_id())  # fmt: skip
                 self.last_committed = path
-                self.run_dir.retain(self.keep)
+                self.run_dir.retain(self.keep, protect=[path])
                 self.control.report_committed(step, str(path))
                 handle._finish(path, None)
-            except BaseException as e:  # noqa: BLE001 - surfaced on wait() and the next save
+            except BaseException as e:  # surfaced on wait() and the next save
                 log.error("background save of step %d failed: %s", step, e)
                 handle._finish(None, e)
 

@@ -263,7 +263,7 @@ def _build(cls: type[Any], data: Any, src: str, prefix: str) -> Any:
 
 def _coerce(tp: Any, value: Any, where: str, src: str) -> Any:
     origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, src, f"{where}.")
     if origin in (Mapping, dict):
         _, vtype = typing.get_args(tp)

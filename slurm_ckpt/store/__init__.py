@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,9 @@ class RunDir:
         self.lock()
         return commit(self.path, step, write, **meta)
 
-    def retain(self, keep: int) -> list[Path]:
-        return apply_retention(self.path, keep)
+    def retain(self, keep: int, *, protect: Collection[Path] = ()) -> list[Path]:
+        """Apply retention; ``protect`` (e.g. the checkpoint just committed) is never deleted."""
+        return apply_retention(self.path, keep, protect=protect)
 
     def latest(self, *, full: bool = True, skipped: list[Skipped] | None = None) -> Candidate | None:
         return find_latest([self.path], full=full, skipped=skipped)

@@ -8,7 +8,7 @@ import secrets
 import socket
 from pathlib import Path
 
-__all__ = ["LOCK_NAME", "list_steps", "step_dir", "tmp_dir_for", "tmp_dir_owner"]
+__all__ = ["LOCK_NAME", "list_steps", "step_dir", "tmp_dir_for", "tmp_dir_owner", "tmp_dir_step"]
 
 STEP_RE = re.compile(r"^step-(\d{9,})$")
 TMP_RE = re.compile(r"^\.tmp-step-(\d+)-(?P<host>[^/]+)-(?P<pid>\d+)-[0-9a-f]+$")
@@ -30,6 +30,11 @@ def tmp_dir_for(run_dir: Path, step: int) -> Path:
 def tmp_dir_owner(name: str) -> tuple[str, int] | None:
     m = TMP_RE.match(name)
     return (m.group("host"), int(m.group("pid"))) if m else None
+
+
+def tmp_dir_step(name: str) -> int | None:
+    m = TMP_RE.match(name)
+    return int(m.group(1)) if m else None
 
 
 def list_steps(run_dir: Path) -> list[tuple[int, Path]]:

@@ -2,14 +2,20 @@
 
 It is written last, so a directory without a readable manifest was never
 committed. It lists every file with its size and checksum, and the tensor index.
+
+The manifest checksums itself: its last field, ``manifest_crc32``, is the crc32
+of the document's bytes up to that field (with the closing ``\n}`` appended).
+Without it a flipped digit in, say, the step time would go unnoticed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +28,8 @@ __all__ = ["FORMAT", "MANIFEST", "VERSION", "Manifest"]
 FORMAT = "slurm-ckpt"
 VERSION = 1
 MANIFEST = "MANIFEST.json"
+_END = b"\n}"
+_SELF_CRC = re.compile(rb',\n "manifest_crc32": "([0-9a-f]{8})"\n\}\n\Z')
 
 
 @dataclass
@@ -53,7 +61,9 @@ class Manifest:
             "tensors": self.tensors,
             "extra": self.extra,
         }
-        return json.dumps(doc, indent=1).encode()
+        body = json.dumps(doc, indent=1).encode()
+        assert body.endswith(_END)
+        return body[: -len(_END)] + b',\n "manifest_crc32": "%08x"\n}\n' % zlib.crc32(body)
 
     @classmethod
     def read(cls, ckpt_dir: Path) -> Manifest:
@@ -66,6 +76,12 @@ class Manifest:
         except OSError as e:
             raise storage_error(e, "cannot read manifest", path) from e
         try:
+            m = _SELF_CRC.search(raw)
+            if m is None:
+                raise ValueError("its own checksum (manifest_crc32) is missing or damaged")
+            want, got = m.group(1).decode(), f"{zlib.crc32(raw[: m.start()] + _END):08x}"
+            if got != want:
+                raise ValueError(f"checksum mismatch: expected manifest_crc32 {want}, got {got}")
             doc = json.loads(raw)
             if doc.get("format") != FORMAT:
                 raise ValueError(f"format is {doc.get('format')!r}, not {FORMAT!r}")

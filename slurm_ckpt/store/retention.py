@@ -6,33 +6,52 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Collection
 from pathlib import Path
 
-from ..errors import CheckpointCorrupt
-from .fsutil import remove_tree
-from .layout import list_steps, tmp_dir_owner
+from ..errors import CheckpointCorrupt, storage_error
+from .fsutil import fsync_dir, remove_tree
+from .layout import list_steps, step_dir, tmp_dir_for, tmp_dir_owner, tmp_dir_step
+from .manifest import MANIFEST
 from .verify import verify_checkpoint
 
-__all__ = ["apply_retention", "remove_stale_tmp"]
+__all__ = ["apply_retention", "discard_checkpoint", "remove_stale_tmp"]
 
 log = logging.getLogger("slurm_ckpt")
 
 FOREIGN_TMP_AGE = 6 * 3600
 """A temp dir from another host is only removed when this old: we cannot see its pid."""
 
+ASIDE_SUFFIX = ".old"
+"""Suffix of a replaced checkpoint moved aside where RENAME_EXCHANGE is missing."""
 
-def apply_retention(run_dir: Path, keep: int) -> list[Path]:
+
+def apply_retention(run_dir: Path, keep: int, *, protect: Collection[Path] = ()) -> list[Path]:
     """Delete all but the newest ``keep`` valid checkpoints; return what was deleted.
 
     Only valid checkpoints count toward ``keep``, so a corrupt newest one can
     never push the newest valid one out. Corrupt ones older than the oldest
     kept are deleted; newer corrupt ones are left for inspection.
+
+    ``protect`` names checkpoints that must survive whatever their rank: the one
+    just committed, and on scratch those not yet copied to durable storage.
+    They count toward ``keep``. Checkpoints with a higher step than the newest
+    protected one are neither counted nor deleted: they belong to a run that
+    was resumed from an older step, usually because they failed verification,
+    and the quick check used here cannot tell a flipped byte from a good one.
     """
     if keep < 1:
         raise ValueError("keep must be >= 1")
+    protected = {Path(p).name for p in protect}
+    ceiling = max((s for s, p in list_steps(run_dir) if p.name in protected), default=None)
     kept = 0
     deleted = []
-    for _step, path in list_steps(run_dir):
+    for step, path in list_steps(run_dir):
+        if path.name in protected:
+            kept += 1
+            continue
+        if ceiling is not None and step > ceiling:
+            continue
         try:
             verify_checkpoint(path, full=False)
             valid = True
@@ -42,11 +61,29 @@ def apply_retention(run_dir: Path, keep: int) -> list[Path]:
             kept += 1
             continue
         if valid or kept >= keep:
-            remove_tree(path)
+            discard_checkpoint(path)
             deleted.append(path)
     if deleted:
         log.info("retention removed %s", ", ".join(p.name for p in deleted))
     return deleted
+
+
+def discard_checkpoint(path: Path) -> None:
+    """Delete a committed checkpoint so that it vanishes whole or not at all.
+
+    It is first renamed to a temp name: a crash in the middle of the delete
+    then leaves a stale temp dir (cleaned by the next writer), never a
+    half-deleted ``step-N`` that discovery would have to skip with a warning.
+    """
+    step = int(path.name.removeprefix("step-"))
+    trash = tmp_dir_for(path.parent, step)
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise storage_error(e, "cannot remove old checkpoint", path) from e
+    remove_tree(trash)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -63,7 +100,9 @@ def remove_stale_tmp(run_dir: Path, *, keep: set[Path] | None = None) -> list[Pa
     """Remove temp dirs whose writer is dead. Call with the run dir lock held.
 
     A temp dir from this host is stale when its pid is gone (or is us but not in
-    ``keep``); from another host only after ``FOREIGN_TMP_AGE``.
+    ``keep``); from another host only after ``FOREIGN_TMP_AGE``. A stale
+    checkpoint moved aside for replacement (``.old``) whose ``step-N`` is
+    missing is the only copy of that step: it is renamed back, not deleted.
     """
     host = socket.gethostname().replace("-", "_")
     removed = []
@@ -75,7 +114,8 @@ def remove_stale_tmp(run_dir: Path, *, keep: set[Path] | None = None) -> list[Pa
         path = run_dir / name
         if not name.startswith(".tmp-step-") or (keep and path in keep):
             continue
-        owner = tmp_dir_owner(name.removesuffix(".old"))
+        base = name.removesuffix(ASIDE_SUFFIX)
+        owner = tmp_dir_owner(base)
         if owner is None:
             continue
         ohost, pid = owner
@@ -86,7 +126,26 @@ def remove_stale_tmp(run_dir: Path, *, keep: set[Path] | None = None) -> list[Pa
                 stale = time.time() - os.lstat(path).st_mtime > FOREIGN_TMP_AGE
             except FileNotFoundError:
                 continue
-        if stale:
-            remove_tree(path)
-            removed.append(path)
+        if not stale:
+            continue
+        if name != base and _restore_aside(path, run_dir, tmp_dir_step(base)):
+            continue
+        remove_tree(path)
+        removed.append(path)
     return removed
+
+
+def _restore_aside(aside: Path, run_dir: Path, step: int | None) -> bool:
+    """Put back a replaced checkpoint whose replacement never landed."""
+    if step is None or not (aside / MANIFEST).exists():
+        return False
+    final = step_dir(run_dir, step)
+    if os.path.lexists(final):
+        return False
+    try:
+        os.rename(aside, final)
+        fsync_dir(run_dir)
+    except OSError:
+        return False
+    log.warning("restored %s from %s (a replacing save was interrupted)", final, aside.name)
+    return True
