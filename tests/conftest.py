@@ -8,6 +8,7 @@ import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,6 +30,40 @@ def _isolated_process_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for s, handler in saved.items():
         if handler is not None:
             signal.signal(s, handler)
+
+
+def _figures_dir(config: pytest.Config) -> Path:
+    return Path(config._tmp_path_factory.getbasetemp()) / "figures"  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def figures(request: pytest.FixtureRequest) -> Callable[[str, str], Path]:
+    """``figures(name, text)`` records measured figures or captured output for the report.
+
+    Each record is a file under the session's temp dir and is printed in the
+    terminal summary, so CI logs show it without ``-s``.
+    """
+
+    def record(name: str, text: str) -> Path:
+        out = _figures_dir(request.config)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{name}.txt"
+        path.write_text(text if text.endswith("\n") else text + "\n")
+        return path
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    try:
+        out = _figures_dir(config)
+    except (AttributeError, OSError):
+        return
+    if not out.is_dir():
+        return
+    for path in sorted(out.glob("*.txt")):
+        terminalreporter.section(f"figures: {path.stem} ({path})")
+        terminalreporter.write(path.read_text())
 
 
 @pytest.fixture

@@ -52,7 +52,10 @@ def verify_checkpoint(path: Path, *, full: bool = True) -> Manifest:
         try:
             st = os.lstat(fpath)
         except FileNotFoundError:
-            raise CheckpointCorrupt(f"{fpath}: file missing", fpath) from None
+            raise CheckpointCorrupt(
+                f"{fpath}: file missing (manifest expects {rec.size} bytes, crc32 {rec.checksum})",
+                fpath,
+            ) from None
         except OSError as e:
             raise storage_error(e, "cannot stat checkpoint file", fpath) from e
         if st.st_size != rec.size:
@@ -102,9 +105,10 @@ def iter_valid(
 ) -> Iterator[Candidate]:
     """Checkpoints across ``run_dirs`` that verify, newest first.
 
-    Each one passed over is logged as a warning with its reason and, when
-    ``skipped`` is given, appended to it. Callers pass over a yielded
-    candidate that later fails its checksum by simply continuing the loop.
+    Each one passed over is appended to ``skipped`` when it is given (the
+    caller then reports it; it is logged at INFO only), else logged as a
+    warning with its reason. Callers pass over a yielded candidate that later
+    fails its checksum by simply continuing the loop.
     """
     candidates = sorted(
         ((step, p) for d in run_dirs for step, p in list_steps(Path(d))),
@@ -121,8 +125,11 @@ def iter_valid(
 
 
 def note_skip(path: Path, reason: str, skipped: list[Skipped] | None) -> None:
-    log.warning("skipping %s: %s", path, reason)
-    if skipped is not None:
+    """Record a checkpoint passed over: into ``skipped`` if given, else as a warning."""
+    if skipped is None:
+        log.warning("skipping %s: %s", path, reason)
+    else:
+        log.info("skipping %s: %s", path, reason)
         skipped.append(Skipped(path, reason))
 
 

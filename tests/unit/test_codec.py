@@ -17,9 +17,17 @@ from hypothesis import strategies as st
 from slurm_ckpt import Checkpointer, UnsafeLoad, UnsupportedValue
 
 DTYPES = [
-    torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.uint8,
-    torch.int16, torch.int32, torch.int64, torch.bool,
-]  # fmt: skip
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
 
 
 def raw(t: torch.Tensor) -> bytes:
@@ -167,8 +175,10 @@ def test_every_dtype_and_shape_kind_explicitly() -> None:
     assert out["tied"]["a"] is out["tied"]["b"]
     assert out["big"] == 10**5000
     assert out["dtype"] is torch.bfloat16 and out["size"] == (2, 3)
-    assert_same({k: v for k, v in state.items() if k not in ("dtype", "size")},
-                {k: v for k, v in out.items() if k not in ("dtype", "size")})  # fmt: skip
+    assert_same(
+        {k: v for k, v in state.items() if k not in ("dtype", "size")},
+        {k: v for k, v in out.items() if k not in ("dtype", "size")},
+    )
 
 
 class Opaque:
