@@ -1,0 +1,241 @@
+"""Surviving storage faults: bounded retries, pruning on a full disk, falling back a tier.
+
+Retries wrap the *whole* commit, never a single syscall. A failed ``fsync``
+must not be retried in place: after it the kernel may have dropped the dirty
+pages and a second ``fsync`` can report success for data that is gone (the
+"fsyncgate" lesson). A commit attempt that fails removes its temp dir, so the
+next attempt writes every byte again into a fresh one.
+
+Which errors are transient is configurable (``storage.retry_errnos``). EIO is
+added on network and FUSE filesystems, where it usually means a server hiccup;
+on a local disk it means a dying device, and retrying only hides that.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ..errors import ConfigError, NoSpace, StorageError, storage_error
+from .retention import apply_retention, remove_stale_tmp
+
+if TYPE_CHECKING:
+    from ..config import StorageConfig
+    from . import RunDir
+    from .commit import WriteFn
+
+__all__ = [
+    "NETWORK_FS",
+    "Mount",
+    "RetryPolicy",
+    "commit_resilient",
+    "mount_for",
+    "prune_for_space",
+    "retry_call",
+]
+
+log = logging.getLogger("slurm_ckpt")
+
+T = TypeVar("T")
+
+NETWORK_FS = frozenset({
+    "nfs", "nfs4", "lustre", "ceph", "cifs", "smb3", "smbfs", "gpfs", "beegfs", "glusterfs",
+    "9p", "afs", "panfs", "wekafs", "orangefs", "pvfs2", "fuse", "fuseblk",
+})  # fmt: skip
+"""Filesystem types (and every ``fuse.*`` subtype) where EIO is often transient."""
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One line of ``/proc/self/mountinfo``: the mount that holds a path."""
+
+    mount_point: str
+    fstype: str
+    source: str
+    device: str
+    """``major:minor`` of the filesystem (for cgroup io limits)."""
+    options: dict[str, str] = field(default_factory=dict)
+    """Per-mount options (ro, noatime, ...) merged with the superblock options (vers=, actimeo=...)."""
+
+    @property
+    def is_network(self) -> bool:
+        return self.fstype in NETWORK_FS or self.fstype.startswith("fuse.")
+
+    @property
+    def read_only(self) -> bool:
+        return "ro" in self.options
+
+
+def _unescape(s: str) -> str:
+    # mountinfo writes space, tab, newline and backslash as \ooo octal escapes.
+    return s.encode().decode("unicode_escape") if "\\" in s else s
+
+
+def _parse_opts(s: str) -> dict[str, str]:
+    out = {}
+    for item in s.split(","):
+        if item:
+            k, _, v = item.partition("=")
+            out[k] = v
+    return out
+
+
+def mount_for(path: str | os.PathLike[str], mountinfo: str = "/proc/self/mountinfo") -> Mount | None:
+    """The mount holding ``path`` (or, if it does not exist yet, its nearest existing parent)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and p != "/":
+        p = os.path.dirname(p)
+    real = os.path.realpath(p)
+    best: Mount | None = None
+    try:
+        with open(mountinfo) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        lf, rf = left.split(), right.split()
+        if not sep or len(lf) < 6 or len(rf) < 2:
+            continue
+        mp = _unescape(lf[4])
+        inside = real == mp or real.startswith(mp.rstrip("/") + "/")
+        # Longest mount point wins; among equals the later line, which is mounted on top.
+        if inside and (best is None or len(mp) >= len(best.mount_point)):
+            opts = _parse_opts(rf[2] if len(rf) > 2 else "")
+            opts.update(_parse_opts(lf[5]))
+            best = Mount(mp, rf[0], _unescape(rf[1]), lf[2], opts)
+    return best
+
+
+def _errno_of(name: str) -> int:
+    code = getattr(errno, name.strip().upper(), None)
+    if not isinstance(code, int):
+        raise ConfigError(f"storage.retry_errnos: {name!r} is not an errno name (e.g. ESTALE, EIO)")
+    return code
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How many times, how long apart, and for which errnos a commit is retried."""
+
+    retries: int = 3
+    backoff: float = 0.5
+    errnos: frozenset[int] = frozenset({errno.ESTALE, errno.EAGAIN, errno.EINTR})
+    max_backoff: float = 30.0
+
+    @classmethod
+    def for_path(cls, storage: StorageConfig, path: str | os.PathLike[str]) -> RetryPolicy:
+        """The configured policy, with EIO added when ``path`` is on a network or FUSE fs."""
+        codes = {_errno_of(n) for n in storage.retry_errnos}
+        m = mount_for(path)
+        if m is not None and m.is_network:
+            codes.add(errno.EIO)
+        return cls(max(0, storage.retries), max(0.0, storage.retry_backoff), frozenset(codes))
+
+    def transient(self, exc: BaseException) -> bool:
+        return isinstance(exc, OSError) and exc.errno in self.errnos
+
+    def delay(self, attempt: int) -> float:
+        """Seconds before retry ``attempt`` (1-based): doubling, capped, with +-25% jitter
+        so that many ranks hit by the same server hiccup do not retry in lockstep."""
+        base = min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
+        return base * random.uniform(0.75, 1.25)
+
+
+def retry_call(
+    fn: Callable[[], T],
+    policy: RetryPolicy,
+    what: str,
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Call ``fn``; on a transient OSError wait and call again, at most ``policy.retries`` times.
+
+    The last error is raised as a typed :class:`StorageError`; non-transient
+    errors are raised at once.
+    """
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except OSError as e:
+            if not policy.transient(e) or attempt >= policy.retries:
+                if attempt and policy.transient(e):
+                    log.error("%s: still failing after %d retries: %s", what, attempt, e)
+                raise storage_error(e, what) from e
+            attempt += 1
+            wait = policy.delay(attempt)
+            log.warning("%s: transient %s (%s); retry %d/%d in %.2fs", what,
+                        errno.errorcode.get(e.errno or 0, e.errno), e, attempt, policy.retries, wait)  # fmt: skip
+            sleep(wait)
+
+
+def prune_for_space(run_dir: Path, keep: int) -> list[Path]:
+    """Make room for one more checkpoint, the way retention would after it commits.
+
+    Keeps ``keep - 1`` valid checkpoints (at least one: the newest valid is
+    never deleted) and removes temp dirs of dead writers.
+    """
+    removed = remove_stale_tmp(run_dir)
+    removed += apply_retention(run_dir, max(1, keep - 1))
+    return removed
+
+
+def commit_resilient(
+    run_dirs: Sequence[RunDir],
+    step: int,
+    write: WriteFn,
+    *,
+    keep: int,
+    policies: Iterable[RetryPolicy] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    **meta: Any,
+) -> Path:
+    """Commit ``step`` to the first run dir that takes it; return the committed path.
+
+    In each dir: transient errors are retried per its policy; on ENOSPC/EDQUOT
+    older checkpoints are pruned per retention and the commit is retried once.
+    When a dir still fails with a storage error, the next dir (the other tier)
+    is tried. The error of the first dir is raised if every dir fails, with the
+    others' errors logged.
+    """
+    if not run_dirs:
+        raise ValueError("commit_resilient needs at least one run dir")
+    pols = list(policies) if policies is not None else [RetryPolicy() for _ in run_dirs]
+    first: StorageError | None = None
+    for i, (rd, pol) in enumerate(zip(run_dirs, pols, strict=True)):
+        try:
+            return _commit_one(rd, step, write, keep, pol, sleep, meta)
+        except StorageError as e:
+            first = first or e
+            if i + 1 < len(run_dirs):
+                log.warning("checkpoint %d could not be written to %s (%s); falling back to %s",
+                            step, rd.path, e, run_dirs[i + 1].path)  # fmt: skip
+            else:
+                if e is not first:
+                    log.error("checkpoint %d failed on every tier; last: %s", step, e)
+                raise first from (e if e is not first else None)
+    raise AssertionError("unreachable")
+
+
+def _commit_one(
+    rd: RunDir, step: int, write: WriteFn, keep: int, pol: RetryPolicy,
+    sleep: Callable[[float], None], meta: dict[str, Any],
+) -> Path:  # fmt: skip
+    what = f"saving checkpoint {step} in {rd.path}"
+    try:
+        return retry_call(lambda: rd.commit(step, write, **meta), pol, what, sleep=sleep)
+    except NoSpace as e:
+        removed = prune_for_space(rd.path, keep)
+        if not removed:
+            raise
+        log.warning("%s: %s; pruned %s and retrying once", what, os.strerror(e.errno or 0),
+                    ", ".join(p.name for p in removed))  # fmt: skip
+        return retry_call(lambda: rd.commit(step, write, **meta), pol, what, sleep=sleep)
