@@ -1,0 +1,112 @@
+"""Fixtures for the real-Slurm tests: one private cluster per session.
+
+``slurm_cluster`` (one node) and ``slurm_cluster3`` (three nodes, each with its
+own network, hostname and tmpfs scratch) share one cluster slot: a session
+that uses both pays one restart when it switches. The cluster is started once,
+reconfigured per test only when a test calls ``configure``, and torn down at
+the end of the session, or by its lock holder if this process dies first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.harness import Cluster, ClusterError
+
+_BASE_SETTINGS: dict[str, str] = {}
+
+
+class _Slot:
+    """The session's one cluster, or the error that stopped it from starting."""
+
+    def __init__(self) -> None:
+        self.cluster: Cluster | None = None
+        self.error: str | None = None
+
+    def get(self, nodes: int) -> Cluster:
+        if os.geteuid() != 0:
+            pytest.skip("the Slurm test cluster needs root (daemons, namespaces, mounts)")
+        if self.error is not None:
+            pytest.fail(
+                f"the Slurm test cluster could not start (see the first failure):\n{self.error}"
+            )
+        if self.cluster is not None and self.cluster.nodes == nodes:
+            return self.cluster
+        self.close()
+        cluster = Cluster(nodes=nodes, settings=dict(_BASE_SETTINGS))
+        try:
+            cluster.up(owner=os.getpid())
+        except (ClusterError, OSError) as e:
+            self.error = str(e)
+            pytest.fail(f"the Slurm test cluster could not start:\n{e}")
+        self.cluster = cluster
+        return cluster
+
+    def close(self) -> None:
+        cluster, self.cluster = self.cluster, None
+        if cluster is not None:
+            cluster.down()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run one-node tests before three-node ones, so a session restarts the cluster once."""
+    here = str(Path(__file__).parent)
+    idx = [i for i, it in enumerate(items) if str(it.path).startswith(here)]
+    ours = sorted((items[i] for i in idx),
+                  key=lambda it: "slurm_cluster3" in getattr(it, "fixturenames", ()))  # fmt: skip
+    for i, item in zip(idx, ours, strict=True):
+        items[i] = item
+
+
+@pytest.fixture(scope="session")
+def _slurm_slot() -> Iterator[_Slot]:
+    slot = _Slot()
+    yield slot
+    slot.close()
+
+
+def _use(slot: _Slot, nodes: int) -> Iterator[Cluster]:
+    cluster = slot.get(nodes)
+    yield cluster
+    # Leave the cluster as the next test expects it: no jobs, default settings.
+    try:
+        cluster.cancel_all()
+        for node in cluster.node_names:
+            state = cluster.node_state(node).upper()
+            if "DRAIN" in state or state.startswith("DOWN"):
+                cluster.run("scontrol", "update", f"NodeName={node}", "State=RESUME", check=False)
+        if cluster.settings != _BASE_SETTINGS:
+            cluster.configure({k: None for k in cluster.settings} | dict(_BASE_SETTINGS))
+    except (ClusterError, TimeoutError, OSError):
+        # A cluster we cannot put back in order is restarted for the next test.
+        slot.close()
+
+
+@pytest.fixture
+def slurm_cluster(_slurm_slot: _Slot) -> Iterator[Cluster]:
+    """A running one-node cluster (node ``hostname -s``, 8 CPUs declared)."""
+    yield from _use(_slurm_slot, 1)
+
+
+@pytest.fixture
+def slurm_cluster3(_slurm_slot: _Slot) -> Iterator[Cluster]:
+    """A running three-node cluster: node1..node3, each in its own namespaces."""
+    yield from _use(_slurm_slot, 3)
+
+
+@pytest.fixture
+def slurm_workdir(request: pytest.FixtureRequest, _slurm_slot: _Slot) -> Iterator[Path]:
+    """A fresh directory for this test on the cluster's shared (durable) storage."""
+    root = Path(os.environ.get("SLURM_CKPT_CLUSTER_ROOT", "/tmp/slurm-ckpt-cluster"))
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name)[:80]
+    # Next to the cluster root, not inside it: it must survive a cluster restart.
+    path = root.with_name(root.name + "-work") / name
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    yield path
