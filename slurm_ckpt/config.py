@@ -122,10 +122,31 @@ class ScratchConfig:
     """shrink|none: an over-subscribing job gets what is left, or no scratch."""
     min_size: Size = Size(1024**3)
     """Below this, a shrunk reservation is not worth creating."""
+    enforce: str = "auto"
+    """auto|quota|loop|none: how the size is enforced. quota: XFS/ext4 project quota
+    (base mounted with prjquota); loop: a per-job filesystem image, loop-mounted;
+    auto: quota where the base has it, else none (the ledger only)."""
+    loop_fstype: str = "ext4"
+    """ext4|xfs: filesystem of the per-job image with enforce: loop (xfs needs >= 300MiB)."""
+    prolog_timeout: float = 20.0
+    """Seconds the prolog may take; keep below slurm.conf PrologEpilogTimeout."""
+    epilog_timeout: float = 240.0
+    """Seconds the epilog may take, stage-out included; keep below PrologEpilogTimeout."""
+    check_timeout: float = 5.0
+    """Seconds for the shared-storage space and quota check (a hung NFS must not hang the prolog)."""
+    expected_ckpt_size: Size = Size(0)
+    """Checkpoint size the space check assumes when the job gives no --comment ckpt_size=
+    and has no checkpoint yet; 0 checks free space against nothing."""
 
     def validate(self) -> None:
         if self.over_reserve not in ("shrink", "none"):
             raise ConfigError("scratch.over_reserve must be 'shrink' or 'none'")
+        if self.enforce not in ("auto", "quota", "loop", "none"):
+            raise ConfigError("scratch.enforce must be auto, quota, loop or none")
+        if self.loop_fstype not in ("ext4", "xfs"):
+            raise ConfigError("scratch.loop_fstype must be ext4 or xfs")
+        if min(self.prolog_timeout, self.epilog_timeout, self.check_timeout) <= 0:
+            raise ConfigError("scratch.prolog_timeout, epilog_timeout and check_timeout must be > 0")
 
 
 @dataclass(frozen=True)
@@ -159,9 +180,17 @@ class IOLimits:
     weight: int = 0
     """bfq / io.weight 1-1000 (0 leaves it unset)."""
     read_bps: Size = Size(0)
+    """Read bytes/s limit on the device (0: none), e.g. 500M."""
     write_bps: Size = Size(0)
+    """Write bytes/s limit on the device (0: none)."""
     read_iops: int = 0
+    """Read operations/s limit (0: none)."""
     write_iops: int = 0
+    """Write operations/s limit (0: none)."""
+
+    def validate(self) -> None:
+        if not 0 <= self.weight <= 1000 or min(self.read_iops, self.write_iops) < 0:
+            raise ConfigError("io weight must be 0-1000 and iops limits >= 0")
 
 
 @dataclass(frozen=True)
@@ -170,10 +199,22 @@ class IOConfig:
     device: str = ""
     """Block device (e.g. /dev/nvme0n1) the limits apply to; empty: the scratch base's."""
     default: IOLimits = field(default_factory=IOLimits)
+    """Limits for jobs in partitions not listed below."""
     partitions: Mapping[str, IOLimits] = field(default_factory=dict)
+    """Per-partition limits, by partition name."""
+    cgroup_root: str = ""
+    """cgroup mount to use: a v1 blkio hierarchy or the v2 root; empty: detect."""
+    v2_job_cgroup: str = "system.slice/slurmstepd.scope/job_{job_id}"
+    """Slurm's job cgroup under the v2 root (multiple-slurmd: <node>_slurmstepd.scope)."""
+    v2_wait: float = 60.0
+    """Seconds a helper waits for Slurm to create the v2 job cgroup after the prolog."""
 
     def for_partition(self, name: str | None) -> IOLimits:
         return self.partitions.get(name or "", self.default)
+
+    def validate(self) -> None:
+        for limits in (self.default, *self.partitions.values()):
+            limits.validate()
 
 
 @dataclass(frozen=True)
