@@ -6,7 +6,9 @@ dir, resuming where the last trial left off. The driver SIGKILLs the child
 after a random delay, then checks what ``slurm-ckpt resume`` would pick (a full
 verification) against what was saved at that step. Kills land before the first
 commit, mid-write, between fsyncs and renames, in a same-step replacement
-(RENAME_EXCHANGE) and in retention's deletes.
+(RENAME_EXCHANGE) and in retention's deletes. The writer keeps a single
+checkpoint (keep=1), so retention deleting anything before the new checkpoint
+is committed would show up as a lost commit.
 
 SIGKILL tests atomicity of what reaches the filesystem; a power cut (lost page
 cache) is beyond what a test can do here, which is why the commit protocol
@@ -74,7 +76,7 @@ def _child(run: Path, start: int, mode: str, channel: Path, base: Any, ready: in
     from slurm_ckpt import Checkpointer
 
     os.environ["SLURM_CKPT_CONTROL"] = str(channel)
-    ck = Checkpointer(run, keep=2, lock_timeout=30)
+    ck = Checkpointer(run, keep=1, lock_timeout=30)
     os.write(ready, b"r")
     step = start
     while True:
@@ -178,7 +180,7 @@ def drive(run: Path, trials: int, mode: str, seed: int) -> dict[str, Any]:
             stats["stale_tmp_survived_a_save"] += 1
             stats["problems"].append(f"trial {trial}: {sorted(prev_tmp & now_tmp)} survived")
         prev_tmp = now_tmp
-    with Checkpointer(run, keep=2) as ck:  # one clean save at the end clears every leftover
+    with Checkpointer(run, keep=1) as ck:  # one clean save at the end clears every leftover
         ck.save(make_state(next_start, base), step=next_start)
     stats["tmp_left_after_final_save"] = sorted(_tmp_dirs(run))
     return stats

@@ -1,0 +1,146 @@
+"""The commit protocol's edges: failures, same-step replacement, temp dir hygiene."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from slurm_ckpt import Checkpointer
+from slurm_ckpt.store import RunDir, find_latest, fsutil
+from slurm_ckpt.store.retention import FOREIGN_TMP_AGE, remove_stale_tmp
+
+HOST = socket.gethostname().replace("-", "_")
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+@pytest.fixture
+def live_pid() -> Iterator[int]:
+    p = subprocess.Popen(["sleep", "600"])
+    yield p.pid
+    p.kill()
+    p.wait()
+
+
+def tmp_name(step: int, pid: int, host: str = HOST, suffix: str = "") -> str:
+    return f".tmp-step-{step:09d}-{host}-{pid}-beef{suffix}"
+
+
+def save(run: Path, step: int, value: float, keep: int = 5) -> Path:
+    with Checkpointer(run, keep=keep) as ck:
+        return ck.save({"w": torch.full((4,), value), "v": value}, step=step)
+
+
+def load(run: Path) -> tuple[int | None, object]:
+    with Checkpointer(run) as ck:
+        state = ck.load_latest()
+        return ck.loaded_step, state
+
+
+def test_failed_write_commits_nothing_and_leaves_no_temp(run_dir: Path) -> None:
+    rd = RunDir(run_dir)
+
+    def write(tmp: Path) -> tuple[dict, dict]:
+        (tmp / "partial").write_bytes(b"x" * 100)
+        raise OSError(5, "simulated EIO mid-write")
+
+    with pytest.raises(OSError, match="simulated"):
+        rd.commit(7, write)
+    assert [n for n in os.listdir(run_dir) if n.startswith((".tmp-", "step-"))] == []
+    rd.unlock()
+
+
+def test_resaving_a_step_swaps_it_atomically(run_dir: Path) -> None:
+    """The same step saved again after a resume: RENAME_EXCHANGE, old copy removed."""
+    first = save(run_dir, 5, 1.0)
+    ino = first.stat().st_ino
+    second = save(run_dir, 5, 2.0)
+    assert second == first and second.stat().st_ino != ino
+    step, state = load(run_dir)
+    assert step == 5 and state["v"] == 2.0  # type: ignore[index]
+    assert [n for n in os.listdir(run_dir) if n.startswith(".tmp-")] == []
+
+
+def test_rename_exchange_swaps_two_full_dirs(tmp_path: Path) -> None:
+    old, new = tmp_path / "step-000000001", tmp_path / ".tmp-new"
+    old.mkdir()
+    (old / "f").write_text("old")
+    new.mkdir()
+    (new / "f").write_text("new")
+    moved = fsutil.exchange_or_replace_dir(new, old)
+    assert moved == new, "renameat2(RENAME_EXCHANGE) should be used on a local filesystem"
+    assert (old / "f").read_text() == "new" and (new / "f").read_text() == "old"
+
+
+def test_without_rename_exchange_old_copy_goes_aside_then_away(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NFS and some FUSE filesystems lack RENAME_EXCHANGE; that cannot be mounted
+    here, so the libc entry point is removed to take the fallback path."""
+    save(run_dir, 5, 1.0)
+    monkeypatch.setattr(fsutil, "_renameat2", None)
+    save(run_dir, 5, 2.0)
+    assert load(run_dir)[1]["v"] == 2.0  # type: ignore[index]
+    assert [n for n in os.listdir(run_dir) if n.startswith(".tmp-")] == []
+
+
+def test_leftover_aside_copy_is_cleaned_when_replacement_landed(run_dir: Path) -> None:
+    save(run_dir, 5, 2.0)
+    aside = run_dir / tmp_name(5, dead_pid(), suffix=".old")
+    os.rename(save(run_dir / "other", 5, 1.0), aside)
+    save(run_dir, 6, 3.0)
+    assert not aside.exists()
+    assert load(run_dir)[0] == 6
+
+
+def test_aside_copy_is_restored_when_replacement_never_landed(run_dir: Path) -> None:
+    """Crash between the two renames of the fallback: step-N is missing, the old copy is aside."""
+    committed = save(run_dir, 5, 1.0)
+    aside = run_dir / tmp_name(5, dead_pid(), suffix=".old")
+    os.rename(committed, aside)
+    RunDir(run_dir).lock()  # the next writer's first act
+    assert committed.is_dir() and not aside.exists()
+    step, state = load(run_dir)
+    assert step == 5 and state["v"] == 1.0  # type: ignore[index]
+
+
+def test_stale_temp_dirs_removed_live_ones_kept(run_dir: Path, live_pid: int) -> None:
+    run_dir.mkdir()
+    dead = run_dir / tmp_name(3, dead_pid())
+    live = run_dir / tmp_name(3, live_pid)
+    foreign_young = run_dir / tmp_name(3, 1, host="othernode")
+    foreign_old = run_dir / tmp_name(4, 1, host="othernode")
+    for d in (dead, live, foreign_young, foreign_old):
+        d.mkdir()
+        (d / "data").write_bytes(b"x")
+    past = time.time() - FOREIGN_TMP_AGE - 60
+    os.utime(foreign_old, (past, past))
+    save(run_dir, 10, 1.0)
+    left = sorted(n for n in os.listdir(run_dir) if n.startswith(".tmp-"))
+    assert left == sorted([live.name, foreign_young.name])
+
+
+def test_own_pid_temp_dir_in_keep_set_survives(run_dir: Path) -> None:
+    run_dir.mkdir()
+    mine = run_dir / tmp_name(2, os.getpid())
+    mine.mkdir()
+    assert remove_stale_tmp(run_dir, keep={mine}) == []
+    assert remove_stale_tmp(run_dir) == [mine]
+
+
+def test_discovery_ignores_temp_and_aside_dirs(run_dir: Path) -> None:
+    save(run_dir, 1, 1.0)
+    os.rename(save(run_dir / "x", 9, 9.0), run_dir / tmp_name(9, dead_pid()))
+    cand = find_latest([run_dir])
+    assert cand is not None and cand.step == 1

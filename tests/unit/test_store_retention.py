@@ -1,0 +1,119 @@
+"""Retention keeps the newest *valid* checkpoints and never deletes too early."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from slurm_ckpt import Checkpointer
+from slurm_ckpt.store import find_latest, retention
+from slurm_ckpt.store.layout import list_steps
+from slurm_ckpt.store.retention import apply_retention, discard_checkpoint
+
+DATA = "tensors-00000.safetensors"
+
+
+def save_steps(run: Path, steps: list[int]) -> None:
+    with Checkpointer(run, keep=100) as ck:
+        for s in steps:
+            ck.save({"w": torch.full((64,), float(s)), "step": s}, step=s)
+
+
+def steps(run: Path) -> list[int]:
+    return sorted(s for s, _ in list_steps(run))
+
+
+def flip_data(d: Path) -> None:
+    """Undetectable without reading every byte: a quick check passes it."""
+    raw = bytearray((d / DATA).read_bytes())
+    raw[-1] ^= 0xFF
+    (d / DATA).write_bytes(bytes(raw))
+
+
+def drop_manifest(d: Path) -> None:
+    (d / "MANIFEST.json").unlink()
+
+
+def truncate_data(d: Path) -> None:
+    os.truncate(d / DATA, 10)
+
+
+@pytest.mark.parametrize("damage", [flip_data, drop_manifest, truncate_data])
+def test_keep1_resume_past_corrupt_newest_keeps_a_valid_one(
+    run_dir: Path, damage: Callable[[Path], None]
+) -> None:
+    """100, 200, 300 saved; 300 damaged; the job resumes from 200 and saves 250 with keep=1."""
+    save_steps(run_dir, [100, 200, 300])
+    damage(run_dir / "step-000000300")
+    with Checkpointer(run_dir, keep=1) as ck:
+        state = ck.load_latest()
+        assert ck.loaded_step == 200 and state["step"] == 200
+        ck.save({"w": torch.full((64,), 250.0), "step": 250}, step=250)
+    assert steps(run_dir) == [250, 300], "the damaged 300 is left for inspection, not counted"
+    cand = find_latest([run_dir])
+    assert cand is not None and cand.step == 250
+
+
+@pytest.mark.parametrize("damage", [drop_manifest, truncate_data])
+def test_keep1_standalone_never_deletes_newest_valid(
+    run_dir: Path, damage: Callable[[Path], None]
+) -> None:
+    save_steps(run_dir, [1, 2, 3])
+    damage(run_dir / "step-000000003")
+    deleted = apply_retention(run_dir, 1)
+    assert [p.name for p in deleted] == ["step-000000001"]
+    assert steps(run_dir) == [2, 3]
+    cand = find_latest([run_dir])
+    assert cand is not None and cand.step == 2
+
+
+def test_corrupt_ones_older_than_the_kept_are_deleted(run_dir: Path) -> None:
+    save_steps(run_dir, [1, 2, 3, 4])
+    drop_manifest(run_dir / "step-000000002")
+    apply_retention(run_dir, 2)
+    assert steps(run_dir) == [3, 4]
+
+
+def test_protected_checkpoints_survive_and_count(run_dir: Path) -> None:
+    save_steps(run_dir, [1, 2, 3, 4])
+    apply_retention(run_dir, 1, protect=[run_dir / "step-000000002", run_dir / "step-000000004"])
+    assert steps(run_dir) == [2, 4]
+
+
+def test_checkpointer_keeps_k(run_dir: Path) -> None:
+    with Checkpointer(run_dir, keep=2) as ck:
+        for s in range(1, 6):
+            ck.save({"step": s}, step=s)
+            assert steps(run_dir) == list(range(max(1, s - 1), s + 1))
+
+
+def test_failed_save_deletes_nothing(run_dir: Path) -> None:
+    """Retention runs only after a commit: a save that fails leaves the old ones alone."""
+    save_steps(run_dir, [1])
+    with Checkpointer(run_dir, keep=1) as ck, pytest.raises(TypeError):
+        ck.save({"w": torch.ones(2), "bad": object()}, step=2)
+    assert steps(run_dir) == [1]
+
+
+def test_discard_vanishes_whole_even_if_interrupted(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash during the delete (simulated at the tree removal) leaves no half-deleted step."""
+    save_steps(run_dir, [1, 2])
+
+    def crash(path: Path) -> None:
+        raise KeyboardInterrupt("killed mid-delete")
+
+    monkeypatch.setattr(retention, "remove_tree", crash)
+    with pytest.raises(KeyboardInterrupt):
+        discard_checkpoint(run_dir / "step-000000001")
+    assert steps(run_dir) == [2]
+    leftovers = [n for n in os.listdir(run_dir) if n.startswith(".tmp-step-000000001-")]
+    assert len(leftovers) == 1
+    monkeypatch.undo()
+    retention.remove_stale_tmp(run_dir)  # what the next writer does first
+    assert not (run_dir / leftovers[0]).exists()
