@@ -2,7 +2,9 @@
 
 Exit codes, mapped here and nowhere else:
 0 ok · 1 failure · 2 usage or config error · 3 no valid checkpoint ·
-4 a checkpoint failed verification · 5 another writer holds the lock.
+4 a checkpoint failed verification · 5 another writer holds the lock ·
+6 doctor: the worst finding is a warning · 7 doctor: the worst finding is an error.
+``run`` instead exits with its command's status (0 after a requeue).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .store.layout import list_steps
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NONE, EXIT_CORRUPT, EXIT_LOCKED = 0, 1, 2, 3, 4, 5
+EXIT_DOCTOR_WARN, EXIT_DOCTOR_ERROR = 6, 7
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -131,3 +134,70 @@ def verify(path: str) -> None:
     """Verify every file and checksum of one checkpoint dir; exit 4 naming a bad file."""
     m = verify_checkpoint(Path(path), full=True)
     click.echo(f"ok: step {m.step}, {len(m.files)} files, {format_size(sum(r.size for r in m.files.values()))}")
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--local", is_flag=True, help="Run outside Slurm; a 'requeue' restarts CMD in place.")
+@click.option("--preempt-after", type=float, multiple=True, metavar="S",
+              help="Send the checkpoint signal S seconds after CMD starts (repeat: one per run).")  # fmt: skip
+@click.option("--signal", "sig", default=None, help="Checkpoint signal (default: wrapper.signal, USR1).")
+@click.option("--max-requeues", type=click.IntRange(min=0), default=None,
+              help="Give up requeueing once SLURM_RESTART_COUNT reaches this.")  # fmt: skip
+@click.option("--margin", type=click.FloatRange(min=0), default=None,
+              help="Seconds before the job's end time by which the checkpoint must be committed.")  # fmt: skip
+@_dir_option
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@_errors_to_exit
+def run(
+    local: bool, preempt_after: tuple[float, ...], sig: str | None, max_requeues: int | None,
+    margin: float | None, dir: str | None, cmd: tuple[str, ...],
+) -> None:  # fmt: skip
+    """Run CMD so that a Slurm signal becomes a checkpoint and a requeue.
+
+    Exits with CMD's status, or 0 after a requeue. See `slurm_ckpt.wrapper`.
+    """
+    import dataclasses
+
+    from .wrapper import run_wrapper
+
+    cfg = load_config()
+    flags: dict[str, Any] = {"signal": sig, "max_requeues": max_requeues, "margin": margin}
+    wcfg = dataclasses.replace(cfg.wrapper, **{k: v for k, v in flags.items() if v is not None})
+    wcfg.validate()
+    cfg = dataclasses.replace(cfg, wrapper=wcfg)
+    sys.exit(run_wrapper(list(cmd), cfg, local=local, preempt_after=preempt_after, run_dir=dir))
+
+
+@main.command()
+@click.argument("path", required=False, type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@click.option("--slurm-conf", type=click.Path(dir_okay=False), default=None,
+              help="slurm.conf to check (default: $SLURM_CONF, then /etc/slurm/slurm.conf).")  # fmt: skip
+@click.option("--lead-time", type=float, default=None,
+              help="Seconds of sbatch --signal=USR1@N warning (default: assume 120).")  # fmt: skip
+@click.option("--ckpt-size", default=None, help="One checkpoint's size, e.g. 40G (default: the newest in PATH).")
+@click.option("--probe-size", default="128M", show_default=True, help="Most bytes the write probe writes.")
+@click.option("--probe-seconds", type=float, default=5.0, show_default=True, help="Most seconds the probe runs.")
+@_errors_to_exit
+def doctor(
+    path: str | None, as_json: bool, slurm_conf: str | None, lead_time: float | None,
+    ckpt_size: str | None, probe_size: str, probe_seconds: float,
+) -> None:  # fmt: skip
+    """Diagnose checkpoint storage and the Slurm setup; exit 0 ok, 6 warnings, 7 errors.
+
+    PATH defaults to the run dir. Checks write+fsync bandwidth and latency, free
+    space and inodes, mount type and options, quota, page-cache settings,
+    slurm.conf, the signal lead time against checkpoint size, and cgroup io limits.
+    """
+    from .config import parse_size
+    from .doctor import Severity, run_doctor
+
+    cfg = load_config()
+    report = run_doctor(path or default_run_dir(cfg), slurm_conf=slurm_conf, lead_time=lead_time,
+                        ckpt_size=parse_size(ckpt_size) if ckpt_size else None, keep=cfg.storage.keep,
+                        probe_bytes=parse_size(probe_size), probe_seconds=probe_seconds)  # fmt: skip
+    click.echo(report.to_json() if as_json else report.to_text())
+    worst = report.worst
+    if worst >= Severity.ERROR:
+        sys.exit(EXIT_DOCTOR_ERROR)
+    sys.exit(EXIT_DOCTOR_WARN if worst >= Severity.WARN else EXIT_OK)

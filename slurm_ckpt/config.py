@@ -158,11 +158,22 @@ class WrapperConfig:
     margin: float = 15.0
     """Seconds kept free before the job's end time when waiting for a checkpoint."""
     requeue_exit: int = 0
-    """If set, exit with this code instead of calling scontrol (slurm.conf RequeueExit)."""
+    """Exit code when no Slurm client (pyslurm, scontrol) is on the node: list it in slurm.conf RequeueExit. 0: none."""
+    kill_wait: float = 30.0
+    """slurm.conf KillWait: seconds from SIGTERM to SIGKILL, which bound the checkpoint after a SIGTERM."""
+    wait: float = 300.0
+    """Seconds to wait for the checkpoint when Slurm gives no end time (--local, no time limit)."""
 
     def validate(self) -> None:
         if self.max_requeues < 0:
             raise ConfigError("wrapper.max_requeues must be >= 0")
+        if not 0 <= self.requeue_exit <= 255:
+            raise ConfigError("wrapper.requeue_exit must be an exit code, 0-255")
+        if self.margin < 0 or self.kill_wait <= 0 or self.wait <= 0:
+            raise ConfigError("wrapper.margin must be >= 0; kill_wait and wait must be > 0")
+        from .control import parse_signal  # lazy: config stays free of signal machinery
+
+        parse_signal(self.signal)
 
 
 @dataclass(frozen=True)

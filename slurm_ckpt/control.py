@@ -3,52 +3,164 @@
 The signal handler only sets a flag; the checkpoint itself happens at the next
 step boundary, where the model and optimizer are consistent (saving inside a
 handler can run mid-backward, Lightning's open bug).
+
+Signals. ``slurm-ckpt run`` starts the trainer with the checkpoint signal
+(``$SLURM_CKPT_SIGNAL``, USR1 by default) and SIGTERM set to SIG_IGN, so one
+that arrives while torch is still importing can neither kill it nor be acted
+on half-way. :meth:`Control.install` replaces SIG_IGN with the flag handler and
+then reports ``ready`` so the wrapper re-sends any request it held meanwhile.
+
+Children. Slurm signals every process of the step, DataLoader workers
+included. A forked child inherits our handler, so (1) the handler acts only in
+the process that installed it, and (2) a fork hook resets both signals to
+SIG_IGN in every forked child, so workers neither die nor act. Workers started
+with the ``spawn``/``forkserver`` methods exec a fresh interpreter, which resets
+a handled signal to its default action: use the default ``fork`` method (Linux)
+for DataLoader workers under Slurm.
+
+Channel. ``$SLURM_CKPT_CONTROL`` names the wrapper's Unix datagram socket;
+lines are ``ready <pid>`` and ``committed <step> <path>``. If it names anything
+else (a plain file), lines are appended to it, which is handy for debugging
+without the wrapper. A dead or missing wrapper never fails a save.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
 import signal
+import socket
+import stat
 import threading
 from types import FrameType
 
-__all__ = ["Control"]
+from .errors import ConfigError
+
+__all__ = ["Control", "parse_signal"]
+
+log = logging.getLogger("slurm_ckpt")
+
+# One flag per process: every Checkpointer in it sees the same request.
+_flag = threading.Event()
+_handled: set[signal.Signals] = set()
+_owner_pid = 0
+_fork_hook_registered = False
+
+
+def parse_signal(name: str | int) -> signal.Signals:
+    """``"USR1"``, ``"SIGUSR1"``, ``"usr1"`` or ``10`` -> ``signal.SIGUSR1``."""
+    text = str(name).strip().upper()
+    try:
+        if text.isdigit():
+            return signal.Signals(int(text))
+        return signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
+    except (KeyError, ValueError):
+        raise ConfigError(
+            f"unknown signal {name!r}: use a name such as USR1, USR2 or TERM"
+        ) from None
+
+
+def _handler(signum: int, frame: FrameType | None) -> None:
+    # A forked child runs this copy until its fork hook resets it; it must not
+    # act on a request meant for the trainer.
+    if os.getpid() == _owner_pid:
+        _flag.set()
+
+
+def _after_fork_in_child() -> None:
+    for sig in _handled:
+        with contextlib.suppress(ValueError, OSError):
+            if signal.getsignal(sig) is _handler:
+                signal.signal(sig, signal.SIG_IGN)
 
 
 class Control:
-    """Per-process checkpoint-request flag and the channel to the wrapper."""
+    """The process's checkpoint-request flag and its channel to the wrapper."""
 
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self._installed = False
-        self.channel = os.environ.get("SLURM_CKPT_CONTROL", "")
+    def __init__(self, channel: str | None = None, signal_name: str | None = None) -> None:
+        self.channel = os.environ.get("SLURM_CKPT_CONTROL", "") if channel is None else channel
+        name = signal_name or os.environ.get("SLURM_CKPT_SIGNAL", "") or "USR1"
+        self.signal = parse_signal(name)
 
     @property
     def requested(self) -> bool:
-        return self._event.is_set()
+        """True once a checkpoint-and-stop was requested in this process."""
+        return _flag.is_set()
 
     def request(self) -> None:
-        self._event.set()
+        """Request a checkpoint-and-stop, as the signal would."""
+        _flag.set()
 
-    def _handler(self, signum: int, frame: FrameType | None) -> None:
-        self._event.set()
+    def clear(self) -> None:
+        """Forget a request (a trainer that handled it and chose to go on)."""
+        _flag.clear()
 
     def install(self) -> None:
-        """Install the flag-setting handlers (main thread only; later calls are no-ops)."""
-        if self._installed or threading.current_thread() is not threading.main_thread():
+        """Install the flag handlers and tell the wrapper we are listening.
+
+        Main thread only (Python's rule for signal handlers); elsewhere, and on
+        later calls in the same process, it does nothing.
+        """
+        global _owner_pid, _fork_hook_registered
+        if threading.current_thread() is not threading.main_thread():
             return
-        name = os.environ.get("SLURM_CKPT_SIGNAL", "USR1").upper().removeprefix("SIG")
-        for sig in {getattr(signal, f"SIG{name}"), signal.SIGTERM}:
-            signal.signal(sig, self._handler)
-        self._installed = True
+        wanted = {self.signal, signal.SIGTERM}
+        if _owner_pid == os.getpid() and wanted <= _handled:
+            return
+        _owner_pid = os.getpid()
+        for sig in wanted:
+            signal.signal(sig, _handler)
+            _handled.add(sig)
+        if not _fork_hook_registered:
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            _fork_hook_registered = True
+        self.send(f"ready {os.getpid()}")
 
     def report_committed(self, step: int, path: str) -> None:
         """Tell the wrapper (if any) that ``step`` is committed at ``path``."""
+        self.send(f"committed {step} {path}")
+
+    def send(self, line: str) -> None:
+        """Deliver one line to the wrapper; failures are logged, never raised."""
         if not self.channel:
             return
-        line = f"committed {step} {path}\n".encode()
-        fd = os.open(self.channel, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        data = (line.rstrip("\n") + "\n").encode()
         try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+            st = os.stat(self.channel)
+        except FileNotFoundError:
+            st = None
+        except OSError as e:
+            log.debug("control channel %s: %s", self.channel, e)
+            return
+        if st is not None and stat.S_ISSOCK(st.st_mode):
+            _send_datagram(self.channel, data)
+        else:
+            _append(self.channel, data)
+
+
+def _send_datagram(path: str, data: bytes) -> None:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.setblocking(False)
+            s.sendto(data, path)
+    except OSError as e:
+        # ECONNREFUSED: the wrapper is gone; EAGAIN: its queue is full. The
+        # checkpoint itself is committed either way, which is what matters.
+        level = logging.DEBUG if e.errno in (errno.ECONNREFUSED, errno.ENOENT) else logging.WARNING
+        log.log(level, "cannot report to the wrapper at %s: %s", path, e)
+
+
+def _append(path: str, data: bytes) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        log.warning("cannot open control file %s: %s", path, e)
+        return
+    try:
+        os.write(fd, data)
+    except OSError as e:
+        log.warning("cannot write control file %s: %s", path, e)
+    finally:
+        os.close(fd)

@@ -1,0 +1,230 @@
+"""``slurm-ckpt run``: run a training command so that a warning signal or a
+preemption becomes a committed checkpoint and a requeue.
+
+Usage (one wrapper per task)::
+
+    srun slurm-ckpt run [--signal USR1] [--max-requeues N] [--margin S] -- python train.py
+    slurm-ckpt run --local [--preempt-after S]... -- python train.py
+
+What it does, in order:
+
+1. **Start.** The command starts with ``SLURM_CKPT_DIR`` (absolute run dir),
+   ``SLURM_CKPT_SCRATCH`` (when the prolog made one), ``SLURM_CKPT_CONTROL``
+   (a Unix datagram socket) and ``SLURM_CKPT_SIGNAL`` set, and with the
+   checkpoint signal and SIGTERM set to SIG_IGN, so neither can kill it before
+   the library installs its flag handler. The library then reports ``ready``.
+2. **Trap.** The checkpoint signal (``--signal``, USR1 by default) and SIGTERM
+   both request a checkpoint; SIGCONT (Slurm sends it first) is left alone;
+   SIGINT marks the run cancelled. ``--preempt-after S`` makes the wrapper send
+   itself the signal S seconds after the command started (in every mode; in
+   ``--local`` mode the i-th value applies to the i-th run).
+3. **Ask.** On the first request the wrapper sends the checkpoint signal (never
+   SIGTERM, which would kill a launcher such as torchrun) to the command and to
+   every process that reported ``ready``. A request that came before a process
+   was ready is sent to it again when its ``ready`` arrives, so it is held, never
+   lost. Later signals do nothing, except that a SIGTERM shortens the deadline.
+4. **Wait** until the command exits, or until the deadline:
+
+   * ``EndTime - margin`` from Slurm, when that is still ahead;
+   * else ``max(kill_wait - margin, kill_wait / 2)`` from now (SIGKILL follows
+     SIGTERM after KillWait), which also caps the deadline after any SIGTERM;
+   * with no end time (``--local``, no time limit): ``wrapper.wait`` seconds.
+
+   At the deadline the command is ended. In every case the command's whole
+   process tree is gone before the wrapper goes on (see ``proctree``).
+5. **Decide** (``policy.decide_requeue``), then requeue or exit:
+
+   * a command that exits non-zero on its own crashed: its code is passed
+     through and nothing is requeued;
+   * without a request nothing is requeued (the run simply ended);
+   * only global rank 0 (``SLURM_PROCID`` 0) requeues, exactly once;
+   * never after a cancel: SIGINT, or ``JobState=CANCELLED`` in ``scontrol
+     show job`` when the request came or at decision time. ``scancel JOB``
+     makes Slurm mark the job CANCELLED before it sends SIGTERM, whereas a
+     time limit shows TIMEOUT, a preemption PREEMPTED (or the job is already
+     pending again), and ``scancel --signal=TERM`` leaves it RUNNING; those are
+     preemptions;
+   * not when ``SLURM_RESTART_COUNT >= --max-requeues``;
+   * not when no checkpoint newer than the one present at start was committed
+     during this run (reported on the channel, or found valid in the run dir);
+   * requeue: pyslurm if it imports, else ``scontrol requeue JOB`` (array task:
+     ``ARRAYJOB_TASK``); "Job is pending execution" counts as success. Without
+     any Slurm client the wrapper exits ``wrapper.requeue_exit`` (non-zero) so
+     that slurm.conf ``RequeueExit=<code>`` requeues the job.
+
+   Exit status: 0 after a requeue (Slurm must not count a failure); otherwise
+   the command's own code (128+N if it died of signal N, 137 if killed at
+   the deadline).
+
+Log lines (stderr, see ``events``), ``slurm-ckpt run: event=NAME key=value…``:
+``start`` (run, rank, job, restarts, max_requeues, baseline, dir), ``child-start``
+(pid), ``preempt-after``, ``signal`` (signal, action=request|cancel|ignored…|
+tighten-deadline), ``request`` (deadline_in, end_time, job_state), ``forward``
+(pids), ``ready`` (pid), ``committed`` (step, path), ``deadline``, ``teardown``
+(terminated, killed, stragglers), ``child-exit`` (code, killed), ``requeue``
+(job, via, already), ``no-requeue`` (reason, msg), ``restart`` (run),
+``exit`` (code). Every line after the first request carries ``t``, seconds
+since that request. ``no-requeue`` reasons: crashed, not-requested,
+not-rank-0, cancelled, max-requeues, no-progress, requeue-failed, no-scontrol.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from .._env import default_run_dir
+from ..config import Config, WrapperConfig
+from ..control import parse_signal
+from ..errors import ConfigError, SlurmError
+from ..slurm import SlurmCommandMissing, SlurmEnv
+from ..store import find_latest
+from .backend import JobBackend, LocalJob, SlurmJob
+from .channel import ControlServer
+from .events import Events
+from .policy import CANCELLED_STATES, Decision, RunFacts, decide_requeue
+from .proctree import become_subreaper
+from .supervisor import RunResult, SignalTrap, Supervisor, Timing
+
+__all__ = ["Decision", "RunFacts", "decide_requeue", "run_wrapper"]
+
+log = logging.getLogger("slurm_ckpt")
+
+REQUEUE_BUDGET = 30.0
+"""Seconds the requeue RPC may take, retries included."""
+
+
+def run_wrapper(
+    argv: Sequence[str],
+    cfg: Config,
+    *,
+    local: bool = False,
+    preempt_after: Sequence[float] = (),
+    run_dir: str | os.PathLike[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> int:
+    """Run ``argv`` under the wrapper protocol; return the exit status for the wrapper."""
+    if not argv:
+        raise ConfigError("no command given: slurm-ckpt run [OPTIONS] -- CMD...")
+    env = dict(os.environ if env is None else env)
+    w: WrapperConfig = cfg.wrapper
+    sig = parse_signal(w.signal)
+    slurm = SlurmEnv.from_env(env)
+    if not local and not slurm.in_job:
+        raise ConfigError("not inside a Slurm job (no SLURM_JOB_ID); use --local to run outside Slurm")
+    job: JobBackend = LocalJob() if local else SlurmJob(slurm)
+    ckpt_dir = Path(run_dir or env.get("SLURM_CKPT_DIR") or default_run_dir(cfg)).absolute()
+    child_env = _child_env(env, cfg, slurm, ckpt_dir, sig.name.removeprefix("SIG"))
+    timing = Timing(margin=w.margin, kill_wait=w.kill_wait, wait=w.wait)
+    rank = 0 if local else slurm.procid
+    restarts = 0 if local else slurm.restart_count
+    become_subreaper()
+    with ControlServer() as server, SignalTrap([sig, _TERM, _INT, _CHLD]) as trap:
+        child_env["SLURM_CKPT_CONTROL"] = server.path
+        run_no = 1
+        while True:
+            events = Events(rank=rank, run=run_no)
+            dirs = _search_dirs(child_env, ckpt_dir)
+            baseline = _newest_step(dirs)
+            events.emit("start", mode="local" if local else "slurm", job=slurm.job_id or None,
+                        restarts=restarts, max_requeues=w.max_requeues,
+                        baseline=baseline, dir=str(ckpt_dir))  # fmt: skip
+            after = preempt_after[run_no - 1] if run_no <= len(preempt_after) else None
+            res = Supervisor(argv, child_env, sig=sig, job=job, timing=timing, trap=trap,
+                             server=server, events=events, preempt_after=after).run()  # fmt: skip
+            decision = _decide(res, job, rank, restarts, w.max_requeues, baseline, dirs, ckpt_dir)
+            if not decision.requeue:
+                if res.requested or decision.reason == "crashed":
+                    events.emit("no-requeue", reason=decision.reason, msg=decision.detail)
+                return _exit(events, res.code)
+            if local:
+                restarts += 1
+                run_no += 1
+                events.emit("restart", run=run_no, msg=decision.detail)
+                continue
+            return _exit(events, _requeue(job, res, events, w))
+
+
+_TERM, _INT, _CHLD = (parse_signal(s) for s in ("TERM", "INT", "CHLD"))
+
+
+def _exit(events: Events, code: int) -> int:
+    events.emit("exit", code=code)
+    return code
+
+
+def _decide(
+    res: RunResult, job: JobBackend, rank: int, restarts: int, max_requeues: int,
+    baseline: int | None, dirs: list[Path], ckpt_dir: Path,
+) -> Decision:  # fmt: skip
+    new_step = res.committed_step
+    if res.committed_path:
+        dirs = [*dirs, Path(res.committed_path).parent]
+    scanned = _newest_step(dirs)
+    if scanned is not None and (new_step is None or scanned > new_step) and scanned != baseline:
+        new_step = scanned  # a command that checkpoints without the library
+    crashed = res.status is not None and res.code != 0
+    if crashed:
+        return Decision(False, "crashed",
+                        f"the command exited with code {res.code}; passing it through, no requeue")  # fmt: skip
+    cancelled = res.cancelled
+    if res.requested and rank == 0 and not cancelled and not job.local:
+        info = job.job_info()
+        if info is not None and info.state in CANCELLED_STATES:
+            cancelled = f"JobState={info.state}"
+    return decide_requeue(RunFacts(
+        requested=res.requested, cancelled=cancelled, rank=rank, restarts=restarts,
+        max_requeues=max_requeues, baseline_step=baseline, new_step=new_step,
+    ))  # fmt: skip
+
+
+def _requeue(job: JobBackend, res: RunResult, events: Events, w: WrapperConfig) -> int:
+    try:
+        out = job.requeue(REQUEUE_BUDGET)
+    except SlurmCommandMissing as e:
+        if w.requeue_exit:
+            events.emit("requeue", via="RequeueExit", code=w.requeue_exit,
+                        msg="no Slurm client on this node; exiting with the RequeueExit code")  # fmt: skip
+            return w.requeue_exit
+        events.emit("no-requeue", reason="no-scontrol", msg=str(e))
+        return res.code
+    except SlurmError as e:
+        events.emit("no-requeue", reason="requeue-failed", msg=str(e))
+        return res.code
+    events.emit("requeue", job=out.job_id, via=out.via, already=out.already, attempts=out.attempts)
+    return 0
+
+
+def _child_env(
+    env: dict[str, str], cfg: Config, slurm: SlurmEnv, ckpt_dir: Path, sig_name: str
+) -> dict[str, str]:
+    out = dict(env)
+    out["SLURM_CKPT_DIR"] = str(ckpt_dir)
+    out["SLURM_CKPT_SIGNAL"] = sig_name
+    if not out.get("SLURM_CKPT_SCRATCH") and slurm.job_id and cfg.scratch.base:
+        # The prolog's per-job scratch, when the TaskProlog did not export it.
+        guess = Path(cfg.scratch.base) / f"job_{slurm.job_id}"
+        if guess.is_dir() and os.access(guess, os.W_OK):
+            out["SLURM_CKPT_SCRATCH"] = str(guess)
+    return out
+
+
+def _search_dirs(env: dict[str, str], ckpt_dir: Path) -> list[Path]:
+    dirs = [ckpt_dir]
+    scratch = env.get("SLURM_CKPT_SCRATCH")
+    if scratch:
+        dirs.append(Path(scratch) / "ckpt")
+    return dirs
+
+
+def _newest_step(dirs: list[Path]) -> int | None:
+    """Step of the newest checkpoint that passes the quick check (sizes, headers)."""
+    try:
+        cand = find_latest(dirs, full=False)
+    except OSError as e:
+        log.warning("cannot scan %s for checkpoints: %s", ", ".join(map(str, dirs)), e)
+        return None
+    return cand.step if cand else None
+
