@@ -40,7 +40,7 @@ class RunDirLock:
         except filelock.Timeout:
             raise LockHeld(
                 f"{self.path.parent} is locked by another writer ({self.holder()}); "
-                "stop it, give this job its own SLURM_CKPT_DIR, or wait with lock_timeout="
+                "stop it, give this job its own SLURM_CKPT_DIR, or pass lock_timeout=SECONDS to wait"
             ) from None
         except OSError as e:
             raise storage_error(e, "cannot lock run dir (does the filesystem support flock?)", self.path) from e
