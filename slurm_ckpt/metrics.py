@@ -271,7 +271,7 @@ class Metrics:
                 return text_string_to_metric_families(me.render())
 
         reg = CollectorRegistry(auto_describe=False)
-        reg.register(_Collector())  # type: ignore[arg-type]
+        reg.register(_Collector())
         self._server = start_http_server(port, addr=addr, registry=reg)
 
     def close(self, *, remove: bool = False) -> None:

@@ -42,7 +42,7 @@ def serve_control(sock_path: str, injector: Injector) -> socketserver.UnixStream
                         reply = {"ok": True, **injector.stats()}
                     else:
                         reply = {"ok": False, "error": f"unknown cmd {req['cmd']!r}"}
-                except Exception as e:  # noqa: BLE001 - reported to the client, not fatal here
+                except Exception as e:  # reported to the client; the fs keeps running
                     reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
                 self.wfile.write(json.dumps(reply).encode() + b"\n")
                 self.wfile.flush()

@@ -1,0 +1,156 @@
+"""cgroup I/O limits on the device that holds the checkpoints.
+
+A ``blkio.throttle.write_bps_device`` (v1) or ``io.max wbps=`` (v2) limit on
+this process's cgroup, or any ancestor, caps every checkpoint write; weights
+only act under the BFQ scheduler (or iocost on v2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..store.retry import Mount
+from .finding import Context, Report, Severity, fmt_rate
+
+__all__ = ["IOLimit", "block_device", "check_cgroup_io", "io_limits"]
+
+
+@dataclass
+class IOLimit:
+    version: int
+    cgroup: str
+    """This process's cgroup path (relative to the hierarchy root)."""
+    limits: dict[str, int] = field(default_factory=dict)
+    """rbps/wbps/riops/wiops: the tightest value over the cgroup and its ancestors."""
+    weight: str = ""
+    io_controller: bool = True
+
+
+def block_device(mount: Mount, sysfs: Path = Path("/sys")) -> str | None:
+    """``major:minor`` of the whole disk under ``mount`` (limits are set per disk), or None."""
+    if mount.device.startswith("0:"):
+        return None  # no block device: NFS, Lustre, tmpfs, FUSE
+    node = sysfs / "dev/block" / mount.device
+    if (node / "partition").exists():
+        try:
+            return (node.resolve().parent / "dev").read_text().strip()
+        except OSError:
+            return mount.device
+    return mount.device
+
+
+def _hierarchies(mountinfo: str) -> tuple[Path | None, Path | None]:
+    v1 = v2 = None
+    with open(mountinfo) as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            rf = right.split()
+            if not rf:
+                continue
+            if rf[0] == "cgroup" and "blkio" in rf[2].split(","):
+                v1 = Path(left.split()[4])
+            elif rf[0] == "cgroup2":
+                v2 = Path(left.split()[4])
+    return v1, v2
+
+
+def _own_cgroup(proc_cgroup: str, controller: str) -> str | None:
+    with open(proc_cgroup) as f:
+        for line in f:
+            _, ctrls, path = line.rstrip("\n").split(":", 2)
+            if (controller == "" and ctrls == "") or controller in ctrls.split(","):
+                return path
+    return None
+
+
+def _tighten(limits: dict[str, int], key: str, value: int) -> None:
+    if value > 0:
+        limits[key] = min(value, limits.get(key, value))
+
+
+def io_limits(dev: str, *, proc_cgroup: str = "/proc/self/cgroup",
+              mountinfo: str = "/proc/self/mountinfo") -> IOLimit | None:  # fmt: skip
+    """The I/O limits on ``dev`` for this process, v1 blkio first (the one this site can set)."""
+    v1, v2 = _hierarchies(mountinfo)
+    if v1 is not None and (cg := _own_cgroup(proc_cgroup, "blkio")) is not None:
+        res = IOLimit(1, cg)
+        names = {"read_bps_device": "rbps", "write_bps_device": "wbps",
+                 "read_iops_device": "riops", "write_iops_device": "wiops"}  # fmt: skip
+        for d in _ancestors(v1, cg):
+            for fname, key in names.items():
+                for line in _lines(d / f"blkio.throttle.{fname}"):
+                    parts = line.split()
+                    if len(parts) == 2 and parts[0] == dev:
+                        _tighten(res.limits, key, int(parts[1]))
+        res.weight = (_lines(v1 / cg.lstrip("/") / "blkio.bfq.weight") or [""])[0]
+        return res
+    if v2 is not None and (cg := _own_cgroup(proc_cgroup, "")) is not None:
+        ctrls = (_lines(v2 / "cgroup.controllers") or [""])[0].split()
+        res = IOLimit(2, cg, io_controller="io" in ctrls)
+        for d in _ancestors(v2, cg):
+            for line in _lines(d / "io.max"):
+                parts = line.split()
+                if parts and parts[0] == dev:
+                    for kv in parts[1:]:
+                        k, _, v = kv.partition("=")
+                        if v.isdigit():
+                            _tighten(res.limits, k, int(v))
+        res.weight = " ".join(_lines(v2 / cg.lstrip("/") / "io.weight"))
+        return res
+    return None
+
+
+def _ancestors(root: Path, cg: str) -> list[Path]:
+    parts = [p for p in cg.split("/") if p]
+    return [root.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _lines(p: Path) -> list[str]:
+    try:
+        return [ln.strip() for ln in p.read_text().splitlines() if ln.strip()]
+    except OSError:
+        return []
+
+
+def check_cgroup_io(report: Report, ctx: Context, mount: Mount | None, *,
+                    proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/self/mountinfo",
+                    sysfs: Path = Path("/sys")) -> None:  # fmt: skip
+    if mount is None:
+        return
+    dev = block_device(mount, sysfs)
+    if dev is None:
+        report.add("cgroup", Severity.INFO, f"{mount.fstype} has no local block device: cgroup io "
+                   "limits do not apply here")  # fmt: skip
+        return
+    try:
+        lim = io_limits(dev, proc_cgroup=proc_cgroup, mountinfo=mountinfo)
+    except OSError as e:
+        report.add("cgroup", Severity.INFO, f"cannot read cgroup io settings: {e}")
+        return
+    if lim is None:
+        report.add("cgroup", Severity.INFO, "no blkio (v1) or io (v2) cgroup controller found")
+        return
+    sched = (_lines(sysfs / "dev/block" / dev / "queue/scheduler") or [""])[0]
+    data = {"cgroup_version": lim.version, "cgroup": lim.cgroup, "device": dev,
+            "limits": lim.limits, "weight": lim.weight, "scheduler": sched}  # fmt: skip
+    where = f"cgroup v{lim.version} {lim.cgroup} on device {dev}"
+    if lim.version == 2 and not lim.io_controller:
+        report.add("cgroup", Severity.INFO, f"{where}: the io controller is not enabled", **data)
+        return
+    wbps = lim.limits.get("wbps")
+    if wbps is None:
+        extra = f"; weight {lim.weight}" if lim.weight else ""
+        note = "" if "[bfq]" in sched or not lim.weight else " (weights act only under bfq)"
+        report.add("cgroup", Severity.OK, f"{where}: no write bandwidth limit{extra}{note}", **data)
+        return
+    msg = f"{where}: writes throttled to {fmt_rate(wbps)}"
+    fix = ("raise or remove the limit (blkio.throttle.write_bps_device / io.max wbps) for this job, "
+           "or checkpoint to a device without one")  # fmt: skip
+    if ctx.ckpt_size and ctx.ckpt_size / wbps > ctx.lead_time:
+        report.add("cgroup", Severity.ERROR, msg + f": one checkpoint needs {ctx.ckpt_size / wbps:.0f} s, "
+                   f"more than the {ctx.lead_time:.0f} s lead time", fix, **data)  # fmt: skip
+    elif wbps < 50_000_000:
+        report.add("cgroup", Severity.WARN, msg, fix, **data)
+    else:
+        report.add("cgroup", Severity.INFO, msg, **data)
