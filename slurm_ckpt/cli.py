@@ -201,3 +201,39 @@ def doctor(
     if worst >= Severity.ERROR:
         sys.exit(EXIT_DOCTOR_ERROR)
     sys.exit(EXIT_DOCTOR_WARN if worst >= Severity.WARN else EXIT_OK)
+
+
+@main.group()
+def node() -> None:
+    """Node hooks: `prolog`/`epilog` run as root by the shims, `taskprolog` as the user.
+
+    The hooks exit non-zero (which makes Slurm drain the node) only for a node
+    fault; a job's own problems reach its output as warnings.
+    """
+
+
+@node.command("prolog")
+@_errors_to_exit
+def node_prolog() -> None:
+    """Reserve and create the job's scratch, set its I/O limits, check its storage."""
+    from .node import run_prolog
+
+    run_prolog()
+
+
+@node.command("epilog")
+@_errors_to_exit
+def node_epilog() -> None:
+    """Stage out the newest scratch-only checkpoint, then remove scratch, reservation, cgroup."""
+    from .node import run_epilog
+
+    run_epilog()
+
+
+@node.command("taskprolog")
+def node_taskprolog() -> None:
+    """Print `export`/`print` lines for slurmstepd (TaskProlog; never fails the task)."""
+    from .node import task_prolog
+
+    for line in task_prolog():
+        click.echo(line)

@@ -1,0 +1,111 @@
+"""The epilog: stage out, then remove the job's scratch, reservation, report and I/O cgroup.
+
+Runs as root after the job ended; a requeued job stays COMPLETING until it
+returns, so the stage-out finishes before the job can start anywhere else.
+It never deletes the only copy of a checkpoint: when stage-out fails or runs
+out of time, scratch and its reservation are kept and the log says why.
+Running it twice is harmless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..config import Config
+from ..errors import ConfigError
+from . import cgroup, loopfs, quota
+from .hook import HookContext, load_context, setup_logging
+from .job import InvalidJob
+from .ledger import Ledger
+from .mounts import cgroup_mount, mount_of
+from .report import report_path
+from .scratch import open_base, open_state_dir, remove_job_dir
+from .stageout import StageResult, stage_out
+
+__all__ = ["run_epilog"]
+
+log = logging.getLogger("slurm_ckpt.node")
+
+CLEANUP_RESERVE = 5.0
+"""Seconds of the epilog's budget kept for cleanup after the stage-out."""
+
+
+def run_epilog(env: Mapping[str, str] | None = None, cfg: Config | None = None) -> StageResult | None:
+    """Stage out and clean up after one job; return what the stage-out did (None: no scratch)."""
+    setup_logging("epilog", "?")
+    try:
+        ctx = load_context("epilog", env, cfg, "epilog_timeout")
+    except (ConfigError, InvalidJob) as e:
+        log.error("epilog skipped: %s", e)
+        return None
+    base_fd = open_base(str(ctx.base))
+    try:
+        os.close(open_state_dir(base_fd))
+        result = _stage_and_clean(ctx, base_fd)
+    except Exception:  # a bug here must not drain every node
+        log.exception("epilog failed; scratch %s left in place", ctx.scratch)
+        result = StageResult("failed", "epilog error")
+    finally:
+        os.close(base_fd)
+    _remove_io_cgroup(ctx)
+    log.info("epilog done in %.0f ms: %s", ctx.deadline.elapsed_ms(), result)
+    return result
+
+
+def _stage_and_clean(ctx: HookContext, base_fd: int) -> StageResult | None:
+    job = ctx.job
+    name = job.dir_name
+    ledger = Ledger(ctx.state_dir, 0)
+    try:
+        os.stat(name, dir_fd=base_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        # Already cleaned (a second run), or the job got no scratch.
+        loopfs.unmount_image(ctx.base, name, ctx.deadline.left())
+        ledger.release(job.job_id)
+        _remove_report(ctx)
+        return None
+    if os.path.lexists(ctx.scratch / "ckpt"):
+        result = stage_out(ctx.scratch / "ckpt", ctx.default_durable, job, ctx.deadline.left(CLEANUP_RESERVE))
+    else:
+        result = StageResult("none", "no ckpt dir in scratch")
+    log.info("stage-out %s: %r", result.status, result.detail)
+    if not result.scratch_disposable:
+        why = f"stage-out {result.status}: {result.detail}"
+        log.error("keeping scratch %s and its reservation: it may hold the only copy of "
+                  "a checkpoint (%s). Rerun the epilog or copy it by hand.", ctx.scratch, why)  # fmt: skip
+        ledger.set_kept(job.job_id, why[:500])
+        return result
+    loopfs.unmount_image(ctx.base, name, ctx.deadline.left())
+    left = remove_job_dir(base_fd, name)
+    if left:
+        log.warning("could not remove everything in %s: %s", ctx.scratch, "; ".join(left[:10]))
+    mount = mount_of(ctx.base)
+    if quota.has_project_quota(mount) and int(job.job_id) <= quota.MAX_PROJECT_ID:
+        assert mount is not None
+        quota.clear_project_limit(mount, int(job.job_id), ctx.deadline.left())
+    ledger.release(job.job_id)
+    _remove_report(ctx)
+    return result
+
+
+def _remove_report(ctx: HookContext) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        report_path(ctx.state_dir, ctx.job.job_id).unlink()
+
+
+def _remove_io_cgroup(ctx: HookContext) -> None:
+    io = ctx.cfg.io
+    root = Path(io.cgroup_root) if io.cgroup_root else None
+    if root is None:
+        m = cgroup_mount("blkio")
+        root = Path(m.mount_point) if m else None
+    if root is None or (root / "cgroup.controllers").exists():
+        return  # v2: Slurm removes its own job cgroup
+    try:
+        cgroup.remove_v1(root, ctx.job.dir_name)
+    except OSError as e:
+        log.warning("cannot remove the I/O cgroup of the job: %s", e)

@@ -1,0 +1,81 @@
+"""What every node hook starts from: config, the job, a log line format and a deadline."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import Config, load_config
+from .job import Job
+from .scratch import STATE_DIR
+
+__all__ = ["Deadline", "HookContext", "load_context", "setup_logging"]
+
+log = logging.getLogger("slurm_ckpt.node")
+
+
+class Deadline:
+    """Seconds left of a hook's time budget (monotonic clock)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.start = time.monotonic()
+        self.end = self.start + seconds
+
+    def left(self, reserve: float = 0.0) -> float:
+        """Seconds left, keeping ``reserve`` for what must still run after."""
+        return max(0.0, self.end - time.monotonic() - reserve)
+
+    def elapsed_ms(self) -> float:
+        return (time.monotonic() - self.start) * 1000
+
+
+def setup_logging(hook: str, job_id: str) -> None:
+    """One line per event on stderr, which the shims append to the hook log.
+
+    Slurm discards hook output, so the shim's log file is the only record.
+    """
+    logger = logging.getLogger("slurm_ckpt")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s slurm-ckpt {hook}[%(process)d] job {job_id}: %(levelname)s: %(message)s"))  # fmt: skip
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+@dataclass(frozen=True)
+class HookContext:
+    cfg: Config
+    job: Job
+    deadline: Deadline
+
+    @property
+    def base(self) -> Path:
+        return Path(self.cfg.scratch.base)
+
+    @property
+    def state_dir(self) -> Path:
+        return self.base / STATE_DIR
+
+    @property
+    def scratch(self) -> Path:
+        return self.base / self.job.dir_name
+
+    @property
+    def default_durable(self) -> Path | None:
+        """``<storage.root>/<user>/job_<id>``: where stage-out goes without TIER.json."""
+        root = self.cfg.storage.root
+        return Path(root) / self.job.user / self.job.dir_name if root else None
+
+
+def load_context(hook: str, env: Mapping[str, str] | None, cfg: Config | None,
+                 timeout_of: str) -> HookContext:  # fmt: skip
+    """Config and job, validated; raises ConfigError or InvalidJob."""
+    job = Job.from_env(env)
+    setup_logging(hook, job.job_id)
+    cfg = cfg or load_config(env=env)
+    return HookContext(cfg, job, Deadline(getattr(cfg.scratch, timeout_of)))

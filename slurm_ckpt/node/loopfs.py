@@ -1,0 +1,108 @@
+"""Per-job scratch filesystems on loop devices.
+
+A filesystem image the size of the reservation, preallocated on the scratch
+disk and loop-mounted at ``<base>/job_<id>``: the kernel enforces the size with
+ENOSPC, and the space is really set aside. It needs no quota support in the
+kernel, which is why it exists next to project quotas (``scratch.enforce: loop``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+from pathlib import Path
+
+from ..errors import StorageError, storage_error
+from . import commands
+from .scratch import STATE_DIR
+
+__all__ = ["IMAGE_DIR", "is_mount_point", "mount_image", "unmount_image"]
+
+log = logging.getLogger("slurm_ckpt.node")
+
+IMAGE_DIR = "img"
+"""Under the state dir: one ``job_<id>.img`` per job."""
+
+_MKFS = {
+    "ext4": ["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"],
+    "xfs": ["mkfs.xfs", "-q", "-f", "-K"],
+}
+
+
+def is_mount_point(base_fd: int, name: str) -> bool:
+    """True if ``<base>/<name>`` is a directory on another filesystem than the base."""
+    try:
+        st = os.stat(name, dir_fd=base_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return st.st_dev != os.fstat(base_fd).st_dev
+
+
+def mount_image(base: Path, name: str, size: int, fstype: str, timeout: float) -> None:
+    """Make a ``size``-byte ``fstype`` image and mount it on ``<base>/<name>`` (must exist).
+
+    The image lives in the root-only ``<base>/.slurm-ckpt/img``; the mount
+    is nosuid,nodev so nothing the job writes there gains privileges.
+    """
+    if fstype not in _MKFS:
+        raise StorageError(errno.EINVAL, f"scratch.loop_fstype {fstype!r} not one of {sorted(_MKFS)}")
+    img_dir = base / STATE_DIR / IMAGE_DIR
+    img = img_dir / f"{name}.img"
+    target = str(base / name)
+    mount = ["mount", "-t", fstype, "-o", "loop,nosuid,nodev,noatime", str(img), target]
+    try:
+        img_dir.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(img, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        # Kept by an epilog that could not stage out, then unmounted (a reboot):
+        # it may hold the only copy of a checkpoint, so mount it as it is.
+        rc, out = commands.run(mount, timeout)
+        if rc == 0:
+            log.info("re-mounted kept scratch image %s", img)
+            return
+        aside = img.with_name(f"{img.name}.unmountable")
+        log.error("kept image %s does not mount (%s); moved to %s", img, out.strip(), aside)
+        os.replace(img, aside)
+        return mount_image(base, name, size, fstype, timeout)
+    except OSError as e:
+        raise storage_error(e, "cannot create scratch image", img) from e
+    try:
+        try:
+            # Preallocate: the reservation is then real blocks, not a promise
+            # that a filling disk could break later.
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise storage_error(e, "cannot preallocate scratch image", img) from e
+            os.ftruncate(fd, size)
+    except BaseException:
+        img.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    for argv in ([*_MKFS[fstype], str(img)], mount):
+        rc, out = commands.run(argv, timeout)
+        if rc:
+            img.unlink(missing_ok=True)
+            raise StorageError(errno.EIO, f"{argv[0]} failed ({rc}): {out.strip()[-300:]}", img)
+
+
+def unmount_image(base: Path, name: str, timeout: float) -> None:
+    """Unmount ``<base>/<name>`` (lazily if still busy) and delete its image. Idempotent."""
+    target = base / name
+    base_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        mounted = is_mount_point(base_fd, name)
+    finally:
+        os.close(base_fd)
+    if mounted:
+        rc, out = commands.run(["umount", str(target)], timeout)
+        if rc:
+            log.warning("umount %s failed (%s); detaching lazily", target, out.strip())
+            rc, out = commands.run(["umount", "-l", str(target)], timeout)
+            if rc:
+                raise StorageError(errno.EBUSY, f"cannot unmount scratch: {out.strip()}", target)
+    with contextlib.suppress(FileNotFoundError):
+        (base / STATE_DIR / IMAGE_DIR / f"{name}.img").unlink()

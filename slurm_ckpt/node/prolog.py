@@ -1,0 +1,217 @@
+"""The prolog: reserve and create the job's scratch, set its I/O limits, check its storage.
+
+Runs as root before the job starts. Its exit status decides whether Slurm
+drains the node, so it fails (raises :class:`StorageError`) only for a node
+fault — the scratch base unusable, an I/O error. Everything that is the job's
+or the storage's problem becomes a warning in the job's output instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ..config import Config, IOLimits
+from ..errors import ConfigError, StorageError, storage_error
+from . import cgroup, loopfs, quota
+from .hook import HookContext, load_context, setup_logging
+from .job import InvalidJob, comment_size
+from .ledger import Ledger
+from .mounts import block_device, cgroup_mount, mount_of
+from .report import JobReport
+from .scratch import make_job_dir, open_base, open_state_dir
+from .space import check_shared
+
+__all__ = ["run_prolog"]
+
+log = logging.getLogger("slurm_ckpt.node")
+
+NODE_FAULTS = (errno.EIO, errno.EROFS, errno.ENODEV, errno.ENXIO)
+
+
+def run_prolog(env: Mapping[str, str] | None = None, cfg: Config | None = None) -> JobReport | None:
+    """Prepare the node for one job; return the report the TaskProlog will read."""
+    setup_logging("prolog", "?")
+    try:
+        ctx = load_context("prolog", env, cfg, "prolog_timeout")
+    except (ConfigError, InvalidJob) as e:
+        log.error("prolog skipped, the job runs without slurm-ckpt scratch: %s", e)
+        return None
+    base_fd = open_base(str(ctx.base))  # a node fault if this fails: let it drain the node
+    try:
+        state_fd = open_state_dir(base_fd)
+        try:
+            report = _prepare(ctx, base_fd, state_fd)
+            report.write(state_fd, ctx.job.uid, ctx.job.gid)
+        finally:
+            os.close(state_fd)
+    except OSError as e:
+        if e.errno in NODE_FAULTS:
+            raise storage_error(e, "scratch disk failing", e.filename) from e
+        log.exception("prolog failed; the job runs without slurm-ckpt scratch")
+        return None
+    except Exception:  # a bug here must not drain every node
+        log.exception("prolog failed; the job runs without slurm-ckpt scratch")
+        return None
+    finally:
+        os.close(base_fd)
+    log.info("prolog done in %.0f ms: scratch %s (%d bytes, %s), %d warning(s)", ctx.deadline.elapsed_ms(),
+             report.scratch, report.size, report.enforce, len(report.warnings))  # fmt: skip
+    return report
+
+
+def _prepare(ctx: HookContext, base_fd: int, state_fd: int) -> JobReport:
+    job, sc = ctx.job, ctx.cfg.scratch
+    report = JobReport(job.job_id)
+    space = _start_space_check(ctx, report)
+    asked = comment_size(job, "ckpt_scratch", report.warnings) or sc.default_size
+    vfs = os.fstatvfs(base_fd)
+    ledger = Ledger(ctx.state_dir, vfs.f_blocks * vfs.f_frsize, sc.headroom)
+
+    def alive(job_id: str, entry: dict[str, Any]) -> bool:
+        # A reservation younger than a prolog's time budget may still be making its dir.
+        young = time.time() - float(entry.get("since", 0)) < 2 * sc.prolog_timeout
+        return young or os.path.lexists(ctx.base / f"job_{job_id}")
+
+    grant = ledger.reserve(job.job_id, asked, uid=job.uid, policy=sc.over_reserve,
+                           min_size=sc.min_size, alive=alive)  # fmt: skip
+    report.asked, report.size = grant.asked, grant.size
+    if grant.warning:
+        report.warnings.append(grant.warning)
+    if grant.size:
+        try:
+            report.enforce = _make_scratch(ctx, base_fd, grant.size)
+            report.scratch = str(ctx.scratch)
+        except StorageError as e:
+            if e.errno in NODE_FAULTS:
+                raise
+            ledger.release(job.job_id)
+            report.size = 0
+            report.warnings.append(f"no node-local scratch on this node: {e.strerror}")
+    report.io_cgroup = _io_limits(ctx)
+    space.join(ctx.deadline.left())
+    if space.is_alive():
+        report.warnings.append(f"the checkpoint storage check did not finish in {sc.check_timeout:.0f}s "
+                               f"({ctx.cfg.storage.root} slow or hung?)")  # fmt: skip
+    return report
+
+
+def _make_scratch(ctx: HookContext, base_fd: int, size: int) -> str:
+    """Create the job dir and enforce ``size`` on it; return how it is enforced."""
+    job, sc = ctx.job, ctx.cfg.scratch
+    fd = make_job_dir(base_fd, job.dir_name, job.uid, job.gid)
+    try:
+        mode = sc.enforce
+        mount = mount_of(ctx.base)
+        if mode == "auto":
+            mode = "quota" if quota.has_project_quota(mount) else "none"
+        if mode == "loop":
+            if not loopfs.is_mount_point(base_fd, job.dir_name):
+                loopfs.mount_image(ctx.base, job.dir_name, size, sc.loop_fstype, ctx.deadline.left(2.0))
+            os.close(fd)
+            fd = -1
+            # The mounted filesystem's root is a new inode owned by root: hand it over too.
+            fd = make_job_dir(base_fd, job.dir_name, job.uid, job.gid)
+        elif mode == "quota":
+            if mount is None or not quota.has_project_quota(mount):
+                log.error("scratch.enforce is quota but %s is not mounted with prjquota", ctx.base)
+                return "none"
+            projid = int(job.job_id)
+            if projid > quota.MAX_PROJECT_ID:
+                return "none"
+            quota.set_project(fd, projid)
+            if why := quota.set_project_limit(mount, projid, size, ctx.deadline.left(2.0)):
+                log.error("cannot set project quota %d on %s: %s", projid, ctx.scratch, why)
+                return "none"
+        return mode
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _start_space_check(ctx: HookContext, report: JobReport) -> threading.Thread:
+    """Check the shared checkpoint storage in a thread, so a hung NFS costs only check_timeout."""
+    job, cfg = ctx.job, ctx.cfg
+
+    def check() -> None:
+        if not cfg.storage.root:
+            return
+        warnings: list[str] = []
+        expected = comment_size(job, "ckpt_size", warnings)
+        chk = check_shared(cfg.storage.root, job, cfg.storage.keep, expected, "--comment ckpt_size",
+                           fallback=cfg.scratch.expected_ckpt_size, timeout=cfg.scratch.check_timeout)  # fmt: skip
+        report.checks["storage"] = chk.to_dict()
+        report.warnings.extend(warnings + chk.warnings)
+
+    t = threading.Thread(target=_logged(check), name="space-check", daemon=True)
+    t.start()
+    return t
+
+
+def _logged(fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            fn()
+        except Exception:  # a check must never fail the prolog
+            log.exception("storage check failed")
+
+    return run
+
+
+def _io_limits(ctx: HookContext) -> str | None:
+    """Set up the job's I/O cgroup; return the v1 path the wrapper should join, if any."""
+    io, job = ctx.cfg.io, ctx.job
+    limits = io.for_partition(job.partition)
+    if not io.enabled or limits == IOLimits():
+        return None
+    try:
+        device = _device(ctx)
+        root = Path(io.cgroup_root) if io.cgroup_root else None
+        if root is None:
+            m = cgroup_mount("blkio") or cgroup_mount("unified")
+            root = Path(m.mount_point) if m else None
+        if root is None:
+            log.info("no blkio or cgroup2 mount: I/O limits not set")
+            return None
+        if not (root / "cgroup.controllers").exists():
+            return str(cgroup.setup_v1(root, job.dir_name, job.uid, job.gid, limits, device))
+        if "io" not in (root / "cgroup.controllers").read_text().split():
+            log.info("cgroup v2 at %s has no io controller: I/O limits not set", root)
+            return None
+        _spawn_v2(root, io.v2_job_cgroup.format(job_id=job.job_id), limits, device, io.v2_wait)
+    except (OSError, ValueError) as e:
+        log.warning("I/O limits not set: %s", e)
+    return None
+
+
+def _device(ctx: HookContext) -> tuple[int, int] | None:
+    if ctx.cfg.io.device:
+        rdev = os.stat(ctx.cfg.io.device).st_rdev
+        return os.major(rdev), os.minor(rdev)
+    mount = mount_of(ctx.base)
+    return block_device(mount) if mount else None
+
+
+def _spawn_v2(root: Path, rel: str, limits: IOLimits, device: tuple[int, int] | None, wait: float) -> None:
+    """Start a detached helper: Slurm makes the v2 job cgroup only after the prolog exits.
+
+    A fresh interpreter, not a fork: the prolog has a thread running.
+    """
+    args = json.dumps({"root": str(root), "rel": rel, "limits": asdict(limits),
+                       "device": device, "wait": wait})  # fmt: skip
+    # slurmd reads the prolog's output until EOF, so the helper must not hold
+    # a pipe to it; a log file (the shim's) is fine.
+    err = None if stat.S_ISREG(os.fstat(2).st_mode) else subprocess.DEVNULL
+    subprocess.Popen([sys.executable, "-m", "slurm_ckpt.node.cgroup", args], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip

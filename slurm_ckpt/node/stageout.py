@@ -1,0 +1,163 @@
+"""Epilog stage-out: the newest checkpoint that exists only on scratch goes to the durable run dir.
+
+Root forks a child that takes the job user's uid, gid and groups before it
+reads anything the user wrote. Everything the child opens, it opens with the
+user's rights, so a hardlink to a root-only file, or a symlink to another
+user's dir, fails as it would for the user. The copy goes through
+:func:`slurm_ckpt.store.copy_checkpoint` (checksummed while copied, committed
+with the store's protocol) and is verified again in full before it counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import stat
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import CheckpointCorrupt, SlurmCkptError
+from ..store import RunDir, copy_checkpoint, find_latest, iter_valid, verify_checkpoint
+from .job import Job
+
+__all__ = ["TIER_FILE", "StageResult", "read_tier", "stage_out"]
+
+TIER_FILE = "TIER.json"
+_MAX_TIER = 64 * 1024
+_DONE = ("staged", "up-to-date", "none")
+
+
+@dataclass(frozen=True)
+class StageResult:
+    status: str
+    """staged | up-to-date | none (nothing valid on scratch) | failed | timeout"""
+    detail: str = ""
+    step: int | None = None
+    path: str | None = None
+
+    @property
+    def scratch_disposable(self) -> bool:
+        """True when deleting scratch loses no checkpoint that exists nowhere else."""
+        return self.status in _DONE
+
+
+def read_tier(scratch_ckpt: Path) -> Path | None:
+    """The durable run dir named in ``TIER.json``, or None. Untrusted input.
+
+    Opened without following a link or blocking on a FIFO, size-bounded, and
+    the path must be absolute. Called with the user's privileges.
+    """
+    try:
+        fd = os.open(scratch_ckpt / TIER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_TIER:
+            return None
+        data = json.loads(os.read(fd, _MAX_TIER))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    durable = data.get("durable") if isinstance(data, dict) else None
+    if not isinstance(durable, str) or not durable.startswith("/") or "\0" in durable or len(durable) > 4096:
+        return None
+    return Path(os.path.normpath(durable))
+
+
+def _all_regular(path: Path, names: list[str]) -> bool:
+    # A FIFO named like a data file would block the copy until the deadline.
+    for name in names:
+        try:
+            if not stat.S_ISREG(os.lstat(path / name).st_mode):
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float) -> StageResult:
+    durable = read_tier(scratch_ckpt) or default_durable
+    if durable is None:
+        return StageResult("failed", "no durable run dir: no TIER.json and no storage.root")
+    newest = find_latest([durable], full=False)
+    for cand in iter_valid([scratch_ckpt], full=False):
+        if newest is not None and newest.step >= cand.step:
+            return StageResult("up-to-date", f"{durable} has step {newest.step}", newest.step, str(newest.path))
+        if not _all_regular(cand.path, [*cand.manifest.files, "MANIFEST.json"]):
+            continue
+        run = RunDir(durable, lock_timeout=lock_timeout)
+        run.lock()
+        try:
+            dst = copy_checkpoint(cand.path, run.path)
+            verify_checkpoint(dst, full=True)
+        except CheckpointCorrupt:
+            continue
+        finally:
+            run.unlock()
+        return StageResult("staged", f"{cand.path} -> {dst}", cand.step, str(dst))
+    return StageResult("none", f"no valid checkpoint in {scratch_ckpt}")
+
+
+def _become(job: Job) -> None:
+    """Take the job user's identity for good (real, effective and saved ids)."""
+    os.setgroups(os.getgrouplist(job.user, job.gid))
+    os.setresgid(job.gid, job.gid, job.gid)
+    os.setresuid(job.uid, job.uid, job.uid)
+    os.umask(0o077)
+    os.chdir("/")
+
+
+def _reap(pid: int, wait: float) -> None:
+    # Bounded: a child stuck in an unkillable NFS write must not hang the epilog too.
+    end = time.monotonic() + wait
+    while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+def stage_out(scratch_ckpt: Path, default_durable: Path | None, job: Job, timeout: float) -> StageResult:
+    """Stage out as ``job``'s user within ``timeout`` seconds; never raises.
+
+    On timeout the child is killed and the result says so: the caller then
+    keeps scratch, because it may hold the only copy.
+    """
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        os.close(r)
+        try:
+            _become(job)
+            res = _stage(scratch_ckpt, default_durable, min(10.0, timeout / 2))
+        except (SlurmCkptError, OSError) as e:
+            res = StageResult("failed", f"{type(e).__name__}: {e}")
+        except BaseException as e:  # reported to the parent, which logs it
+            res = StageResult("failed", f"unexpected {type(e).__name__}: {e}")
+        try:
+            os.write(w, json.dumps(asdict(res)).encode()[:60000])
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([r], [], [], left)[0]:
+                chunk = os.read(r, 65536)
+                if not chunk:
+                    break
+                data += chunk
+        else:
+            os.kill(pid, signal.SIGKILL)
+            _reap(pid, 5.0)
+            return StageResult("timeout", f"stage-out still running after {timeout:.0f}s; killed")
+        _reap(pid, 5.0)
+    finally:
+        os.close(r)
+    try:
+        return StageResult(**json.loads(data))
+    except (ValueError, TypeError):
+        return StageResult("failed", "the stage-out child died without a result")
