@@ -1,0 +1,98 @@
+"""A real full filesystem (a tiny tmpfs): the save fails cleanly and nothing is lost."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from slurm_ckpt import Checkpointer, NoSpace, StorageError
+from slurm_ckpt.store import find_latest, verify_checkpoint
+
+pytestmark = pytest.mark.root
+
+PAGE = 4096
+
+
+def state(step: int, mib: float) -> dict[str, object]:
+    n = int(mib * 2**20) // 4
+    return {"w": torch.arange(n, dtype=torch.float32) + step, "step": step}
+
+
+def used(fs: Path) -> int:
+    st = os.statvfs(fs)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def leftovers(run: Path) -> list[str]:
+    return [n for n in os.listdir(run) if n.startswith(".tmp-")]
+
+
+def pages(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def fill_leaving(fs: Path, free: int) -> None:
+    st = os.statvfs(fs)
+    (fs / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - free))
+
+
+def check_clean_failure(run: Path, fs: Path, err: BaseException, before: int) -> None:
+    assert isinstance(err, NoSpace) and isinstance(err, OSError)
+    assert err.errno == errno.ENOSPC
+    assert err.filename and str(run) in err.filename, err.filename
+    assert "full" in err.hint and "storage.keep" in err.hint
+    assert "No space left on device" in str(err) and err.filename in str(err)
+    assert leftovers(run) == [], "partial temp data must be removed"
+    assert used(fs) == before, "every byte of the failed save is given back"
+    cand = find_latest([run], full=True)
+    assert cand is not None and cand.step == 1
+    verify_checkpoint(cand.path, full=True)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_save_too_big_for_the_disk(
+    tmpfs: Callable[[str], Path], mode: str, figures: Callable[[str, str], Path]
+) -> None:
+    fs = tmpfs("4m")
+    run = fs / "run"
+    with Checkpointer(run, keep=1) as ck:
+        ck.save(state(1, 1.5), step=1)
+        before = used(fs)
+        with pytest.raises(NoSpace) as info:
+            if mode == "sync":
+                ck.save(state(2, 3), step=2)
+            else:
+                ck.save_async(state(2, 3), step=2).wait()
+        if mode == "async":
+            # Whether the next call reports the error again is the on_async_error
+            # policy's business, not this test's.
+            with contextlib.suppress(NoSpace):
+                ck.wait()
+        check_clean_failure(run, fs, info.value, before)
+        # The writer is not wedged: a save that fits still works.
+        ck.save(state(3, 0.5), step=3)
+    assert find_latest([run]).step == 3  # type: ignore[union-attr]
+    figures(f"enospc-{mode}", f"{type(info.value).__name__}: {info.value}".replace(str(fs), "FS"))
+
+
+def test_disk_full_at_the_manifest(tmpfs: Callable[[str], Path], tmp_path: Path) -> None:
+    """Data files fit, the manifest written last does not: nothing is committed."""
+    fs = tmpfs("8m")
+    run = fs / "run"
+    dry = tmp_path / "dry"
+    with Checkpointer(dry) as ck:
+        sizes = {p.name: p.stat().st_size for p in ck.save(state(2, 1), step=2).iterdir()}
+    with Checkpointer(run, keep=1) as ck:
+        ck.save(state(1, 1), step=1)
+        fill_leaving(fs, sum(pages(n) for name, n in sizes.items() if name != "MANIFEST.json"))
+        before = used(fs)
+        with pytest.raises(StorageError) as info:
+            ck.save(state(2, 1), step=2)
+        assert "MANIFEST.json" in str(info.value.filename)
+        check_clean_failure(run, fs, info.value, before)
