@@ -277,7 +277,11 @@ def load_config(
     elif explicit:
         raise ConfigError(f"{src}: config file not found (set by SLURM_CKPT_CONFIG or --config)")
     cfg = _build(Config, data, str(src), "")
-    return _apply_env(cfg, env).validate()
+    try:
+        return _apply_env(cfg, env).validate()
+    except ConfigError as e:
+        overrides = any(k.startswith("SLURM_CKPT_") and k != "SLURM_CKPT_CONFIG" for k in env)
+        raise ConfigError(f"{src}{' + SLURM_CKPT_* environment' if overrides else ''}: {e}") from None
 
 
 def _apply_env(cfg: Config, env: Mapping[str, str]) -> Config:
