@@ -15,7 +15,7 @@ def fmt_bytes(n: float) -> str:
     """Decimal units, as storage vendors and ``df -H`` count: ``40 GB``."""
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" or n >= 100 else f"{n:.1f} {unit}"
+            return f"{n:.1f} {unit}" if unit != "B" and n < 10 and n != int(n) else f"{n:.0f} {unit}"
         n /= 1000
     raise AssertionError("unreachable")
 
