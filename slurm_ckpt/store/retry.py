@@ -21,20 +21,20 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..errors import ConfigError, NoSpace, StorageError, storage_error
 from .retention import apply_retention, remove_stale_tmp
 
 if TYPE_CHECKING:
     from ..config import StorageConfig
-    from . import RunDir
     from .commit import WriteFn
 
 __all__ = [
     "NETWORK_FS",
     "Mount",
     "RetryPolicy",
+    "Target",
     "commit_resilient",
     "mount_for",
     "prune_for_space",
@@ -44,6 +44,15 @@ __all__ = [
 log = logging.getLogger("slurm_ckpt")
 
 T = TypeVar("T")
+
+
+class Target(Protocol):
+    """What a save commits into: a ``RunDir`` (or a wrapper of one)."""
+
+    @property
+    def path(self) -> Path: ...
+
+    def commit(self, step: int, write: WriteFn, **meta: Any) -> Path: ...
 
 NETWORK_FS = frozenset({
     "nfs", "nfs4", "lustre", "ceph", "cifs", "smb3", "smbfs", "gpfs", "beegfs", "glusterfs",
@@ -189,7 +198,7 @@ def prune_for_space(run_dir: Path, keep: int) -> list[Path]:
 
 
 def commit_resilient(
-    run_dirs: Sequence[RunDir],
+    run_dirs: Sequence[Target],
     step: int,
     write: WriteFn,
     *,
@@ -226,7 +235,7 @@ def commit_resilient(
 
 
 def _commit_one(
-    rd: RunDir, step: int, write: WriteFn, keep: int, pol: RetryPolicy,
+    rd: Target, step: int, write: WriteFn, keep: int, pol: RetryPolicy,
     sleep: Callable[[float], None], meta: dict[str, Any],
 ) -> Path:  # fmt: skip
     what = f"saving checkpoint {step} in {rd.path}"
