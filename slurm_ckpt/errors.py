@@ -12,7 +12,8 @@ so ``except OSError`` in a user's code still catches a full disk::
      ├── LockHeld(TimeoutError)           another writer owns the run dir
      ├── StorageError(OSError)            an I/O call failed; carries path and errno
      │    └── NoSpace                     ENOSPC / EDQUOT
-     └── SlurmError(RuntimeError)         a Slurm command failed
+     ├── SlurmError(RuntimeError)         a Slurm command failed
+     └── ShardError(RuntimeError)         another rank failed its part of a sharded save
 
 Each message says what to do about it. Mapping errors to exit codes happens in
 ``cli.py`` only.
@@ -30,6 +31,7 @@ __all__ = [
     "NoCheckpoint",
     "NoSpace",
     "SlurmCkptError",
+    "ShardError",
     "SlurmError",
     "StorageError",
     "UnsafeLoad",
@@ -121,6 +123,10 @@ class NoSpace(StorageError):
 
 class SlurmError(SlurmCkptError, RuntimeError):
     """A Slurm command or API call failed."""
+
+
+class ShardError(SlurmCkptError, RuntimeError):
+    """A multi-rank save failed on some rank; the message names the rank and its error."""
 
 
 def storage_error(exc: OSError, what: str, path: str | os.PathLike[str] | None = None) -> StorageError:
