@@ -179,11 +179,23 @@ class WrapperConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     threads: int = 0
-    """Writer threads; 0 picks by core count."""
-    chunk_size: Size = Size(64 * 1024**2)
-    """Bytes per write call."""
+    """I/O threads for writes and reads; 0 picks two per core, 2 to 8."""
+    chunk_size: Size = Size(8 * 1024**2)
+    """Bytes per write or read call (a multiple of 4 KiB); chunks are checksummed separately."""
     direct_io: bool = True
-    """Use O_DIRECT where the filesystem supports it."""
+    """Use O_DIRECT where the filesystem supports it (falls back to buffered where not)."""
+    snapshot: str = "auto"
+    """auto|fork|copy|lazy: how save_async captures the state (see the engine docs)."""
+    pin_memory: bool = True
+    """Stage CUDA tensors in pinned host memory (kept and reused between saves)."""
+
+    def validate(self) -> None:
+        if self.snapshot not in ("auto", "fork", "copy", "lazy"):
+            raise ConfigError("engine.snapshot must be one of auto, fork, copy, lazy")
+        if self.chunk_size <= 0 or self.chunk_size % 4096:
+            raise ConfigError("engine.chunk_size must be a positive multiple of 4KiB, e.g. 8M")
+        if self.threads < 0:
+            raise ConfigError("engine.threads must be >= 0 (0 picks by core count)")
 
 
 @dataclass(frozen=True)

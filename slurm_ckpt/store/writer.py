@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import pickle
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,28 +19,54 @@ from .fsutil import write_file_durably
 from .manifest import Manifest
 from .tensorfile import FileRecord, read_tensors, write_tensor_file
 
-__all__ = ["OBJECTS_FILE", "STATE_FILE", "load_state", "tensor_file_name", "write_small_files", "write_state"]
+__all__ = [
+    "OBJECTS_FILE",
+    "STATE_FILE",
+    "ReadFn",
+    "load_state",
+    "small_files",
+    "tensor_file_name",
+    "tensor_index",
+    "write_small_files",
+    "write_state",
+]
 
 STATE_FILE = "state.json"
 OBJECTS_FILE = "objects.pkl"
+
+ReadFn = Callable[..., dict[str, Any]]
+"""``read(path, expected: FileRecord, *, device) -> {key: tensor}``, verifying the checksum."""
 
 
 def tensor_file_name(index: int) -> str:
     return f"tensors-{index:05d}.safetensors"
 
 
-def write_small_files(tmp: Path, enc: EncodedState) -> dict[str, FileRecord]:
-    """state.json (and objects.pkl when pickling was allowed), fsynced."""
-    import zlib
+def small_files(enc: EncodedState) -> dict[str, bytes]:
+    """The bytes of state.json (and objects.pkl when pickling was allowed).
 
-    out = {}
+    Serialized at once, so an async save captures them before the trainer
+    can change the objects they come from.
+    """
     blobs = {STATE_FILE: json.dumps(enc.tree, separators=(",", ":"), allow_nan=False).encode()}
     if enc.objects:
         blobs[OBJECTS_FILE] = pickle.dumps(enc.objects, protocol=pickle.HIGHEST_PROTOCOL)
+    return blobs
+
+
+def write_small_files(tmp: Path, enc: EncodedState | dict[str, bytes]) -> dict[str, FileRecord]:
+    """state.json (and objects.pkl when pickling was allowed), fsynced."""
+    blobs = small_files(enc) if isinstance(enc, EncodedState) else enc
+    out = {}
     for name, data in blobs.items():
         write_file_durably(tmp / name, data)
         out[name] = FileRecord(len(data), f"{zlib.crc32(data):08x}")
     return out
+
+
+def tensor_index(enc: EncodedState, name: str) -> dict[str, Any]:
+    """The manifest's tensor index: key -> file, dtype, shape."""
+    return {t.key: {"file": name, "dtype": t.dtype, "shape": t.shape} for t in enc.tensors}
 
 
 def write_state(tmp: Path, enc: EncodedState) -> tuple[dict[str, FileRecord], dict[str, Any]]:
@@ -47,14 +75,21 @@ def write_state(tmp: Path, enc: EncodedState) -> tuple[dict[str, FileRecord], di
     files = write_small_files(tmp, enc)
     if enc.tensors:
         files[name] = write_tensor_file(tmp / name, enc.tensors)
-    index = {t.key: {"file": name, "dtype": t.dtype, "shape": t.shape} for t in enc.tensors}
-    return files, index
+    return files, tensor_index(enc, name)
 
 
 def load_state(
-    ckpt: Path, man: Manifest, *, map_location: Any = None, trusted: bool = False
+    ckpt: Path,
+    man: Manifest,
+    *,
+    map_location: Any = None,
+    trusted: bool = False,
+    read: ReadFn = read_tensors,
 ) -> Any:
-    """Read a committed checkpoint, verifying every checksum as the bytes arrive."""
+    """Read a committed checkpoint, verifying every checksum as the bytes arrive.
+
+    ``read`` reads one data file (``slurm_ckpt.engine`` passes its parallel reader).
+    """
     from .verify import _crc_file
 
     for small in (STATE_FILE, OBJECTS_FILE):
@@ -72,7 +107,7 @@ def load_state(
     for fname in by_file:
         if fname not in man.files:
             raise CheckpointCorrupt(f"{ckpt}: tensor file {fname} not in manifest", ckpt / fname)
-        tensors.update(read_tensors(ckpt / fname, man.files[fname], device=map_location))
+        tensors.update(read(ckpt / fname, man.files[fname], device=map_location))
 
     def load_tensor(key: str) -> Any:
         try:

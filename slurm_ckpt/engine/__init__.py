@@ -1,0 +1,148 @@
+"""The fast checkpoint engine: parallel O_DIRECT writes, async snapshots, parallel reads.
+
+It plugs into the store's commit protocol as the ``write`` function passed to
+``commit()`` and as the reader passed to ``load_state()``; the protocol itself
+(fsync, manifest last, rename, fsync parent) is unchanged. Files are the same
+safetensors layout the reference writer produces, so each path reads the other's.
+
+Snapshot modes for ``save_async`` (``engine.snapshot``):
+
+``fork``  the default for CPU state on Linux: a forked child writes from a
+          copy-on-write image; the stall is the fork (see ``forked.py``).
+``copy``  copy into a reusable staging buffer (pinned when CUDA is present,
+          one sync for all device-to-host copies); the default with CUDA state.
+``lazy``  opt-in: return at once and copy in the background. The trainer must
+          call ``handle.fence()`` (or ``Checkpointer.fence()``) before it next
+          changes the tensors in place, typically before ``optimizer.step()``.
+``auto``  ``fork`` when every tensor is on the CPU, else ``copy``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from ..config import EngineConfig
+from ..store.codec import EncodedState, encode_state
+from ..store.manifest import Manifest
+from ..store.tensorfile import FileRecord
+from ..store.writer import load_state
+from .forked import ForkedWriter
+from .handle import SaveHandle
+from .job import ForkJob, ImageJob, LazyJob, SaveJob
+from .layout import FileImage, order_entries, plan_file
+from .reader import read_tensor_file
+from .staging import Staging, is_cuda
+from .writer import write_image
+
+__all__ = ["MODES", "Engine", "SaveHandle", "SaveJob", "default_threads"]
+
+log = logging.getLogger("slurm_ckpt")
+
+MODES = ("auto", "fork", "copy", "lazy")
+
+
+def default_threads() -> int:
+    """I/O threads when ``engine.threads`` is 0: two per core, 2 to 8.
+
+    Each thread alternates CPU work (gather, crc32) and a blocking write, so
+    two per core keep both the cores and the device busy.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(2, min(8, 2 * cores))
+
+
+def _keep(t: Any) -> Any:
+    return t.detach()
+
+
+class Engine:
+    """Writes and reads checkpoints' tensor data; one per run dir writer."""
+
+    def __init__(self, cfg: EngineConfig | None = None) -> None:
+        self.cfg = cfg or EngineConfig()
+        self.staging = Staging(pin=self.cfg.pin_memory)
+        self._streams: dict[Any, Any] = {}
+
+    @property
+    def threads(self) -> int:
+        return self.cfg.threads or default_threads()
+
+    def write_image(self, path: Path, image: FileImage) -> FileRecord:
+        return write_image(path, image, threads=self.threads, chunk=self.cfg.chunk_size, direct=self.cfg.direct_io)
+
+    def job(self, state: Any, *, allow_pickle: bool = False, mode: str = "sync") -> SaveJob:
+        """Capture ``state`` for writing. ``mode`` is ``sync`` or a snapshot mode.
+
+        When this returns, later in-place changes to the state cannot reach
+        the checkpoint, except in ``lazy`` mode before the job's fence.
+        """
+        if mode == "auto":
+            mode = self.cfg.snapshot
+        if mode not in ("sync", *MODES):
+            raise ValueError(f"unknown snapshot mode {mode!r}; use one of {', '.join(MODES)}")
+        enc = encode_state(state, allow_pickle=allow_pickle, prepare=_keep)
+        cuda = any(is_cuda(e.tensor) for e in enc.tensors)
+        if mode == "auto":
+            mode = "copy" if cuda or not hasattr(os, "fork") else "fork"
+        if mode == "fork" and cuda:
+            log.debug("state has CUDA tensors: staging them instead of forking")
+            mode = "copy"
+        if mode == "lazy":
+            return self._lazy(enc)
+        if mode == "copy" or (mode == "sync" and cuda):
+            image, enc.tensors = self.staging.stage(enc.tensors)
+            return ImageJob(enc, image, self.write_image, mode)
+        enc.tensors = [_contiguous(e) for e in order_entries(enc.tensors)]
+        image = plan_file(enc.tensors)
+        if mode == "sync":
+            return ImageJob(enc, image, self.write_image, mode)
+        try:
+            writer = ForkedWriter(image, threads=self.threads, chunk=self.cfg.chunk_size, direct=self.cfg.direct_io)
+        except OSError as e:  # ENOMEM under strict overcommit, EAGAIN at the process limit
+            log.warning("cannot fork the background writer (%s); copying the state instead", e)
+            image, enc.tensors = self.staging.stage(enc.tensors)
+            return ImageJob(enc, image, self.write_image, "copy")
+        return ForkJob(enc, writer)
+
+    def _lazy(self, enc: EncodedState) -> SaveJob:
+        streams: dict[Any, Any] = {}
+        devices = {e.tensor.device for e in enc.tensors if is_cuda(e.tensor)}
+        if devices:
+            import torch
+
+            for dev in devices:
+                # The copies run on a side stream that first waits for the work
+                # the trainer queued before this save (what produced the tensors).
+                side = self._streams.setdefault(dev, torch.cuda.Stream(device=dev))
+                side.wait_stream(torch.cuda.current_stream(dev))
+                streams[dev] = side
+        entries = enc.tensors
+
+        def stage() -> FileImage:
+            image, _ = self.staging.stage(entries, streams=streams)
+            return image
+
+        return LazyJob(enc, stage, self.write_image)
+
+    def load(
+        self, ckpt: Path, man: Manifest, *, map_location: Any = None, trusted: bool = False, mmap: bool = False
+    ) -> Any:
+        """The state of a committed checkpoint, read in parallel and verified as read."""
+        read = functools.partial(read_tensor_file, threads=self.threads, chunk=self.cfg.chunk_size, use_mmap=mmap)
+        return load_state(ckpt, man, map_location=map_location, trusted=trusted, read=read)
+
+
+def _contiguous(e: Any) -> Any:
+    t = e.tensor
+    if t.is_contiguous():
+        return e
+    from ..store.codec import TensorEntry
+
+    return TensorEntry(e.key, t.contiguous(), e.dtype, e.shape)

@@ -1,0 +1,226 @@
+"""The parallel tensor-file reader: checksum verified in the same pass as the read.
+
+Each tensor gets its own storage (so keeping one tensor does not keep the whole
+file in memory), and worker threads fill them chunk by chunk with ``preadv``,
+one system call per chunk however many small tensors it spans, computing each
+chunk's crc32 as the bytes land. The per-chunk crcs are combined in order and
+compared with the manifest.
+
+``use_mmap=True`` maps the file instead: tensors are zero-copy views of the
+page cache (copy-on-write, so changing them never changes the file). With
+``verify=True`` every byte is still checksummed once, in parallel.
+
+The header is validated before any byte is placed: tensors must tile the data
+region exactly, and each must be as long as its dtype and shape say, so a
+damaged header can never make a read land outside a tensor.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import mmap as _mmap
+import os
+import threading
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointCorrupt, storage_error
+from ..store.codec import torch_dtype
+from ..store.tensorfile import CHECKSUM, FileRecord, read_header
+from .buffers import memory_view
+from .crc import crc32_combine, crc32_of_chunks
+from .layout import Piece, chunk_pieces
+
+__all__ = ["read_tensor_file"]
+
+
+def read_tensor_file(
+    path: Path,
+    expected: FileRecord,
+    *,
+    verify: bool = True,
+    threads: int = 4,
+    chunk: int = 8 << 20,
+    use_mmap: bool = False,
+    device: Any = None,
+) -> dict[str, Any]:
+    """Every tensor of a safetensors-layout file, checked against ``expected``.
+
+    Raises :class:`CheckpointCorrupt` naming the file on a size, header or
+    checksum mismatch, and :class:`StorageError` on an I/O error.
+    """
+    try:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != expected.size:
+                raise CheckpointCorrupt(f"{path}: size is {size}, manifest expects {expected.size}", path)
+            raw, header = read_header(f, path, size)
+            layout = _layout(path, header, size - len(raw))
+            with _suppress_unsupported():
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            if use_mmap:
+                out, crc = _map(f.fileno(), path, len(raw), size, layout, verify, threads, chunk)
+            else:
+                out, crc = _read(f.fileno(), path, len(raw), layout, verify, threads, chunk)
+    except OSError as e:
+        raise storage_error(e, "cannot read data file", path) from e
+    if verify:
+        got = crc32_combine(zlib.crc32(raw), crc, size - len(raw))
+        if f"{got:08x}" != expected.checksum:
+            raise CheckpointCorrupt(
+                f"{path}: checksum mismatch: expected {CHECKSUM} {expected.checksum}, got {got:08x}",
+                path,
+            )
+    if device is not None:
+        out = {k: t.to(device) for k, t in out.items()}
+    return out
+
+
+_Entry = tuple[str, Any, list[int], int, int]
+"""(key, torch dtype, shape, begin, end) with offsets relative to the data region."""
+
+
+def _layout(path: Path, header: dict[str, Any], data_len: int) -> list[_Entry]:
+    entries: list[_Entry] = []
+    try:
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            begin, end = (int(x) for x in info["data_offsets"])
+            dtype = torch_dtype(info["dtype"])
+            shape = [int(d) for d in info["shape"]]
+            elsize = dtype.itemsize
+            if any(d < 0 for d in shape) or end - begin != math.prod(shape) * elsize:
+                raise ValueError(f"tensor {key!r}: {end - begin} bytes do not fit shape {shape}")
+            entries.append((key, dtype, shape, begin, end))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointCorrupt(f"{path}: bad tensor header: {e}", path) from None
+    entries.sort(key=lambda e: e[3])
+    pos = 0
+    for key, _, _, begin, end in entries:
+        if begin != pos:
+            raise CheckpointCorrupt(f"{path}: tensor {key!r} starts at {begin}, expected {pos}", path)
+        pos = end
+    if pos != data_len:
+        raise CheckpointCorrupt(f"{path}: tensors cover {pos} of {data_len} data bytes", path)
+    return entries
+
+
+def _read(
+    fd: int, path: Path, start: int, layout: list[_Entry], verify: bool, threads: int, chunk: int
+) -> tuple[dict[str, Any], int]:
+    import torch
+
+    out: dict[str, Any] = {}
+    pieces: list[Piece] = []
+    for key, dtype, shape, begin, end in layout:
+        t = torch.empty(shape, dtype=dtype)
+        out[key] = t
+        if end > begin:
+            pieces.append((t.data_ptr(), end - begin))
+    chunks = chunk_pieces(pieces, chunk)
+
+    def work(k: int) -> tuple[int, int]:
+        views = [memory_view(a, m) for a, m in chunks[k]]
+        _preadv_all(fd, path, views, start + k * chunk)
+        crc = 0
+        if verify:
+            for v in views:
+                crc = zlib.crc32(v, crc)
+        return crc, sum(len(v) for v in views)
+
+    return out, crc32_of_chunks(_parallel(len(chunks), work, threads))
+
+
+def _map(
+    fd: int, path: Path, start: int, size: int, layout: list[_Entry], verify: bool, threads: int, chunk: int
+) -> tuple[dict[str, Any], int]:
+    import torch
+
+    mm = _mmap.mmap(fd, size, flags=_mmap.MAP_PRIVATE, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
+    with _suppress_unsupported():
+        mm.madvise(_mmap.MADV_SEQUENTIAL)
+    base = torch.frombuffer(mm, dtype=torch.uint8)  # holds a reference to mm
+    out: dict[str, Any] = {}
+    for key, dtype, shape, begin, end in layout:
+        raw = base[start + begin : start + end]
+        if (start + begin) % dtype.itemsize:
+            raw = raw.clone()  # a file from a writer that did not align: copy this one
+        out[key] = raw.view(dtype).reshape(shape)
+    crc = 0
+    if verify and size > start:
+        from .buffers import address_of
+
+        chunks = chunk_pieces([(address_of(mm) + start, size - start)], chunk)
+
+        def work(k: int) -> tuple[int, int]:
+            (a, m), = chunks[k]
+            return zlib.crc32(memory_view(a, m)), m
+
+        crc = crc32_of_chunks(_parallel(len(chunks), work, threads))
+    return out, crc
+
+
+def _parallel(n: int, work: Callable[[int], tuple[int, int]], threads: int) -> list[tuple[int, int]]:
+    """Run ``work(k)`` for k in 0..n-1 on up to ``threads`` threads, in order of k."""
+    results: list[tuple[int, int]] = [(0, 0)] * n
+    lock = threading.Lock()
+    state = {"next": 0}
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                k = state["next"]
+                if errors or k >= n:
+                    return
+                state["next"] = k + 1
+            try:
+                results[k] = work(k)
+            except BaseException as e:  # re-raised in the caller below
+                with lock:
+                    errors.append(e)
+                return
+
+    count = max(1, min(threads, n))
+    if count == 1:
+        worker()
+    else:
+        pool = [threading.Thread(target=worker, name=f"slurm-ckpt-read-{i}", daemon=True) for i in range(count)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _preadv_all(fd: int, path: Path, views: list[memoryview], off: int) -> None:
+    views = [v for v in views if len(v)]
+    i = 0
+    while i < len(views):
+        n = os.preadv(fd, views[i : i + 1024], off)
+        if n == 0:
+            raise CheckpointCorrupt(f"{path}: unexpected end of file at byte {off}", path)
+        off += n
+        while n and i < len(views):
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
+
+
+class _suppress_unsupported:
+    """Advice calls are hints: ignore filesystems that do not take them."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, tp: object, exc: object, tb: object) -> bool:
+        return isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ESPIPE)
