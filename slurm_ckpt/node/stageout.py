@@ -12,21 +12,28 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import select
 import signal
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import CheckpointCorrupt, SlurmCkptError
-from ..store import RunDir, copy_checkpoint, find_latest, iter_valid, verify_checkpoint
+from ..store import Candidate, RunDir, copy_checkpoint, find_latest, verify_checkpoint
+from ..store.layout import list_steps
+from ..store.manifest import MANIFEST
 from .job import Job
 
 __all__ = ["TIER_FILE", "StageResult", "read_tier", "stage_out"]
 
 TIER_FILE = "TIER.json"
 _MAX_TIER = 64 * 1024
+_MAX_MANIFEST = 64 * 1024**2
+STAGE_MEMORY = 4 * 1024**3
+"""Address-space limit of the stage-out child (bytes)."""
 _DONE = ("staged", "up-to-date", "none")
 
 
@@ -69,15 +76,33 @@ def read_tier(scratch_ckpt: Path) -> Path | None:
     return Path(os.path.normpath(durable))
 
 
-def _all_regular(path: Path, names: list[str]) -> bool:
-    # A FIFO named like a data file would block the copy until the deadline.
+def _plain_files(path: Path, names: list[str]) -> bool:
+    """True if each name is a regular file (checked without following links).
+
+    The store opens these without O_NONBLOCK: a FIFO or a device planted
+    under a checkpoint name would block the copy, or feed it /dev/zero.
+    """
     for name in names:
         try:
-            if not stat.S_ISREG(os.lstat(path / name).st_mode):
-                return False
+            st = os.lstat(path / name)
         except OSError:
             return False
+        if not stat.S_ISREG(st.st_mode) or (name == MANIFEST and st.st_size > _MAX_MANIFEST):
+            return False
     return True
+
+
+def _candidates(scratch_ckpt: Path) -> Iterator[Candidate]:
+    """Checkpoints on scratch that look valid, newest first (sizes and headers checked)."""
+    for step, path in list_steps(scratch_ckpt):
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode) or not _plain_files(path, [MANIFEST]):
+                continue
+            man = verify_checkpoint(path, full=False)
+        except (CheckpointCorrupt, OSError):
+            continue
+        if _plain_files(path, list(man.files)):
+            yield Candidate(step, path, man)
 
 
 def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float) -> StageResult:
@@ -85,11 +110,9 @@ def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float
     if durable is None:
         return StageResult("failed", "no durable run dir: no TIER.json and no storage.root")
     newest = find_latest([durable], full=False)
-    for cand in iter_valid([scratch_ckpt], full=False):
+    for cand in _candidates(scratch_ckpt):
         if newest is not None and newest.step >= cand.step:
             return StageResult("up-to-date", f"{durable} has step {newest.step}", newest.step, str(newest.path))
-        if not _all_regular(cand.path, [*cand.manifest.files, "MANIFEST.json"]):
-            continue
         run = RunDir(durable, lock_timeout=lock_timeout)
         run.lock()
         try:
@@ -110,6 +133,8 @@ def _become(job: Job) -> None:
     os.setresuid(job.uid, job.uid, job.uid)
     os.umask(0o077)
     os.chdir("/")
+    # This child runs outside the job's cgroup: bound what user data can make it allocate.
+    resource.setrlimit(resource.RLIMIT_AS, (STAGE_MEMORY, STAGE_MEMORY))
 
 
 def _reap(pid: int, wait: float) -> None:

@@ -1,0 +1,86 @@
+"""Fixtures for the node hooks: a real unprivileged user, real loop-mounted filesystems.
+
+Everything a fixture creates (users, mounts, loop devices) is removed
+afterwards, also when the test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import secrets
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.node.helpers import User, need_root, sh
+
+
+def _make_user() -> Iterator[User]:
+    name = f"sckt{secrets.token_hex(3)}"
+    sh("useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", "--user-group", name)
+    try:
+        pw = pwd.getpwnam(name)
+        yield User(name, pw.pw_uid, pw.pw_gid)
+    finally:
+        sh("userdel", name, check=False)
+
+
+@pytest.fixture
+def user() -> Iterator[User]:
+    """An unprivileged user created for this test, removed afterwards."""
+    need_root()
+    yield from _make_user()
+
+
+@pytest.fixture
+def other_user() -> Iterator[User]:
+    need_root()
+    yield from _make_user()
+
+
+def _unmount(mnt: Path) -> None:
+    if sh("umount", str(mnt), check=False).returncode != 0:
+        sh("umount", "-l", str(mnt), check=False)
+
+
+@pytest.fixture
+def pub_tmp() -> Iterator[Path]:
+    """A temp dir every user can traverse (pytest's own tmp_path is root-only, mode 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="sckt-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def loop_fs(pub_tmp: Path) -> Iterator[Callable[..., Path]]:
+    """Factory: a fresh filesystem of ``fstype`` on a loop device, mounted; removed afterwards."""
+    need_root()
+    mounts: list[Path] = []
+
+    def make(fstype: str = "xfs", size: str = "512M", options: str = "") -> Path:
+        img = pub_tmp / f"fs{len(mounts)}.img"
+        mnt = pub_tmp / f"mnt{len(mounts)}"
+        mnt.mkdir()
+        sh("truncate", "-s", size, str(img))
+        mkfs = {"xfs": ["mkfs.xfs", "-q", "-f"], "ext4": ["mkfs.ext4", "-q", "-F"]}[fstype]
+        sh(*mkfs, str(img))
+        sh("mount", "-o", ",".join(filter(None, ["loop", options])), str(img), str(mnt))
+        mounts.append(mnt)
+        os.chmod(mnt, 0o755)
+        return mnt
+
+    yield make
+    for mnt in reversed(mounts):
+        # Per-job scratch images mounted inside go first.
+        for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
+            point = line.split(" ")[4]
+            if point.startswith(str(mnt) + "/"):
+                _unmount(Path(point))
+        _unmount(mnt)
+
+

@@ -1,0 +1,52 @@
+"""Helpers for the node hook tests: run as a real user, build a config."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurm_ckpt.config import Config, ScratchConfig, StorageConfig
+
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def sh(*argv: str, check: bool = True, **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=60,
+                          env={"PATH": PATH, "LC_ALL": "C"}, **kw)  # fmt: skip
+
+
+def need_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (mounts, users, chown)")
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: int
+    gid: int
+
+    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` as this user (real and effective ids, no supplementary groups)."""
+        return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=60,
+                              user=self.uid, group=self.gid, extra_groups=[], cwd="/",
+                              env={"PATH": PATH, "LC_ALL": "C"})  # fmt: skip
+
+    def env(self, job_id: str, **extra: str) -> dict[str, str]:
+        """The environment slurmd gives a prolog for a job of this user."""
+        return {"SLURM_JOB_ID": job_id, "SLURM_JOB_UID": str(self.uid), "SLURM_JOB_GID": str(self.gid),
+                "SLURM_JOB_USER": self.name, "SLURM_JOB_PARTITION": "gpu", **extra}  # fmt: skip
+
+
+def make_cfg(base: Path, root: Path | None = None, **scratch: Any) -> Config:
+    """A config with scratch at ``base`` and durable run dirs under ``root``."""
+    sc = dataclasses.replace(ScratchConfig(base=str(base), default_size=64 * 2**20,  # type: ignore[arg-type]
+                                           min_size=2**20), **scratch)  # type: ignore[arg-type]
+    st = StorageConfig(root=str(root) if root else "")
+    return dataclasses.replace(Config(), scratch=sc, storage=st).validate()
