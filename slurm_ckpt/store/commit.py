@@ -8,6 +8,7 @@ dir to ``step-N``. Readers never look at ``.tmp-*`` dirs, so at every instant
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,12 +19,27 @@ from .layout import step_dir, tmp_dir_for
 from .manifest import MANIFEST, Manifest
 from .tensorfile import FileRecord
 
-__all__ = ["WriteFn", "commit"]
+__all__ = ["WriteFn", "commit", "in_flight"]
 
 log = logging.getLogger("slurm_ckpt")
 
 WriteFn = Callable[[Path], tuple[dict[str, FileRecord], dict[str, Any]]]
 """Writes data files into the temp dir, fsyncs each, returns (files, tensor index)."""
+
+_in_flight: set[Path] = set()
+_in_flight_lock = threading.Lock()
+
+
+def in_flight() -> frozenset[Path]:
+    """Temp dirs this process is writing right now.
+
+    Stale-temp cleanup must spare them: a temp dir named with our own pid is
+    otherwise taken for a leftover of an earlier process that had the same pid
+    (containers reuse small pids), and another thread (the tier drain, a
+    background save) may be writing it this very moment.
+    """
+    with _in_flight_lock:
+        return frozenset(_in_flight)
 
 
 def commit(run_dir: Path, step: int, write: WriteFn, **meta: Any) -> Path:
@@ -34,6 +50,16 @@ def commit(run_dir: Path, step: int, write: WriteFn, **meta: Any) -> Path:
     """
     tmp = tmp_dir_for(run_dir, step)
     final = step_dir(run_dir, step)
+    with _in_flight_lock:
+        _in_flight.add(tmp)
+    try:
+        return _commit(run_dir, step, write, tmp, final, meta)
+    finally:
+        with _in_flight_lock:
+            _in_flight.discard(tmp)
+
+
+def _commit(run_dir: Path, step: int, write: WriteFn, tmp: Path, final: Path, meta: dict[str, Any]) -> Path:
     try:
         tmp.mkdir(mode=0o755)
     except OSError as e:

@@ -10,6 +10,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from ..errors import CheckpointCorrupt, storage_error
+from .commit import in_flight
 from .fsutil import fsync_dir, remove_tree
 from .layout import list_steps, step_dir, tmp_dir_for, tmp_dir_owner, tmp_dir_step
 from .manifest import MANIFEST
@@ -99,12 +100,15 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_tmp(run_dir: Path, *, keep: set[Path] | None = None) -> list[Path]:
     """Remove temp dirs whose writer is dead. Call with the run dir lock held.
 
-    A temp dir from this host is stale when its pid is gone (or is us but not in
-    ``keep``); from another host only after ``FOREIGN_TMP_AGE``. A stale
+    A temp dir from this host is stale when its pid is gone (or is us, but it is
+    neither in ``keep`` nor being written by this process: see
+    :func:`~slurm_ckpt.store.commit.in_flight`); from another host only after
+    ``FOREIGN_TMP_AGE``. A stale
     checkpoint moved aside for replacement (``.old``) whose ``step-N`` is
     missing is the only copy of that step: it is renamed back, not deleted.
     """
     host = socket.gethostname().replace("-", "_")
+    busy = in_flight()
     removed = []
     try:
         names = os.listdir(run_dir)
@@ -112,7 +116,7 @@ def remove_stale_tmp(run_dir: Path, *, keep: set[Path] | None = None) -> list[Pa
         return []
     for name in names:
         path = run_dir / name
-        if not name.startswith(".tmp-step-") or (keep and path in keep):
+        if not name.startswith(".tmp-step-") or (keep and path in keep) or path in busy:
             continue
         base = name.removesuffix(ASIDE_SUFFIX)
         owner = tmp_dir_owner(base)

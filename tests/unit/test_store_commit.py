@@ -144,3 +144,23 @@ def test_discovery_ignores_temp_and_aside_dirs(run_dir: Path) -> None:
     os.rename(save(run_dir / "x", 9, 9.0), run_dir / tmp_name(9, dead_pid()))
     cand = find_latest([run_dir])
     assert cand is not None and cand.step == 1
+
+
+def test_cleanup_spares_a_temp_dir_this_process_is_writing(run_dir: Path) -> None:
+    """Another thread's cleanup (tier drain, full-disk pruning) runs mid-commit."""
+    from slurm_ckpt.store.codec import encode_state
+    from slurm_ckpt.store.commit import commit, in_flight
+    from slurm_ckpt.store.writer import write_state
+
+    run_dir.mkdir()
+    seen: list[bool] = []
+
+    def write(tmp: Path) -> tuple[dict, dict]:
+        assert tmp in in_flight()
+        remove_stale_tmp(run_dir)  # what a concurrent cleanup would do
+        seen.append(tmp.is_dir())
+        return write_state(tmp, encode_state({"x": 1}))
+
+    commit(run_dir, 1, write)
+    assert seen == [True] and in_flight() == frozenset()
+    assert find_latest([run_dir]) is not None
