@@ -59,7 +59,9 @@ def commit(run_dir: Path, step: int, write: WriteFn, **meta: Any) -> Path:
             _in_flight.discard(tmp)
 
 
-def _commit(run_dir: Path, step: int, write: WriteFn, tmp: Path, final: Path, meta: dict[str, Any]) -> Path:
+def _commit(
+    run_dir: Path, step: int, write: WriteFn, tmp: Path, final: Path, meta: dict[str, Any]
+) -> Path:
     try:
         tmp.mkdir(mode=0o755)
     except OSError as e:
