@@ -211,7 +211,10 @@ class Checkpointer:
         """
 
         def load_state(p: Path, m: Any, *, map_location: Any, trusted: bool) -> Any:
-            return self.engine.load(p, m, map_location=map_location, trusted=trusted, mmap=mmap)
+            with self.metrics.time_load() as loaded:
+                state = self.engine.load(p, m, map_location=map_location, trusted=trusted, mmap=mmap)
+                loaded.append(int(m.nbytes or sum(r.size for r in m.files.values())))
+            return state
 
         if self.run_dir.group() is not None:
             found = self.run_dir.load_latest(

@@ -163,12 +163,14 @@ def retry_call(
     policy: RetryPolicy,
     what: str,
     *,
+    path: str | os.PathLike[str] | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> T:
     """Call ``fn``; on a transient OSError wait and call again, at most ``policy.retries`` times.
 
     The last error is raised as a typed :class:`StorageError`; non-transient
-    errors are raised at once.
+    errors are raised at once. ``path`` names the place for errors that carry
+    none (``close()`` reporting a write-back error, for one).
     """
     attempt = 0
     while True:
@@ -178,7 +180,7 @@ def retry_call(
             if not policy.transient(e) or attempt >= policy.retries:
                 if attempt and policy.transient(e):
                     log.error("%s: still failing after %d retries: %s", what, attempt, e)
-                raise storage_error(e, what) from e
+                raise storage_error(e, what, e.filename or path) from e
             attempt += 1
             wait = policy.delay(attempt)
             log.warning("%s: transient %s (%s); retry %d/%d in %.2fs", what,
@@ -240,11 +242,11 @@ def _commit_one(
 ) -> Path:  # fmt: skip
     what = f"saving checkpoint {step} in {rd.path}"
     try:
-        return retry_call(lambda: rd.commit(step, write, **meta), pol, what, sleep=sleep)
+        return retry_call(lambda: rd.commit(step, write, **meta), pol, what, path=rd.path, sleep=sleep)
     except NoSpace as e:
         removed = prune_for_space(rd.path, keep)
         if not removed:
             raise
         log.warning("%s: %s; pruned %s and retrying once", what, os.strerror(e.errno or 0),
                     ", ".join(p.name for p in removed))  # fmt: skip
-        return retry_call(lambda: rd.commit(step, write, **meta), pol, what, sleep=sleep)
+        return retry_call(lambda: rd.commit(step, write, **meta), pol, what, path=rd.path, sleep=sleep)

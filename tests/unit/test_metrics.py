@@ -171,3 +171,24 @@ def test_served_over_http_with_prometheus_client() -> None:
         assert sample(body, "slurm_ckpt_last_committed_step", job_id="9") == 77
     finally:
         m.close()
+
+
+def test_checkpointer_records_saves_and_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from slurm_ckpt import Checkpointer
+    from slurm_ckpt.config import Config
+
+    monkeypatch.setenv("SLURM_JOB_ID", "555")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    cfg = Config(metrics=MetricsConfig(textfile_dir=str(tmp_path / "prom")))
+    with Checkpointer(tmp_path / "run", config=cfg) as ckpt:
+        ckpt.save({"w": torch.ones(1000)}, step=3)
+        ckpt.save_async({"w": torch.ones(1000)}, step=4).wait()
+        assert ckpt.load_latest() is not None
+        text = (tmp_path / "prom" / "slurm_ckpt_555_0.prom").read_text()
+    assert sample(text, "slurm_ckpt_saves_total", job_id="555") == 2
+    assert sample(text, "slurm_ckpt_last_committed_step") == 4
+    assert sample(text, "slurm_ckpt_save_bytes_total") >= 8000
+    assert sample(text, "slurm_ckpt_load_duration_seconds_count") == 1
+    assert sample(text, "slurm_ckpt_load_bytes_total") >= 4000
+    assert sample(text, "slurm_ckpt_requeues_total") == 1
