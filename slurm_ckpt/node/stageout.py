@@ -24,7 +24,7 @@ from pathlib import Path
 from ..errors import CheckpointCorrupt, SlurmCkptError
 from ..store import Candidate, RunDir, copy_checkpoint, find_latest, verify_checkpoint
 from ..store.layout import list_steps
-from ..store.manifest import MANIFEST
+from ..store.manifest import MANIFEST, Manifest
 from .job import Job
 
 __all__ = ["TIER_FILE", "StageResult", "read_tier", "stage_out"]
@@ -92,17 +92,26 @@ def _plain_files(path: Path, names: list[str]) -> bool:
     return True
 
 
-def _candidates(scratch_ckpt: Path) -> Iterator[Candidate]:
-    """Checkpoints on scratch that look valid, newest first (sizes and headers checked)."""
+def _candidates(scratch_ckpt: Path, errors: list[str]) -> Iterator[Candidate]:
+    """Checkpoints on scratch that look valid, newest first (sizes and headers checked).
+
+    A corrupt one is skipped. One that cannot be read (EIO, EACCES) is skipped
+    too but noted in ``errors``: it might be good, so scratch must be kept.
+    """
     for step, path in list_steps(scratch_ckpt):
         try:
             if not stat.S_ISDIR(os.lstat(path).st_mode) or not _plain_files(path, [MANIFEST]):
                 continue
+            # Screen every file the manifest names before the store opens any of them.
+            if not _plain_files(path, list(Manifest.read(path).files)):
+                continue
             man = verify_checkpoint(path, full=False)
-        except (CheckpointCorrupt, OSError):
+        except CheckpointCorrupt:
             continue
-        if _plain_files(path, list(man.files)):
-            yield Candidate(step, path, man)
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        yield Candidate(step, path, man)
 
 
 def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float) -> StageResult:
@@ -110,7 +119,8 @@ def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float
     if durable is None:
         return StageResult("failed", "no durable run dir: no TIER.json and no storage.root")
     newest = find_latest([durable], full=False)
-    for cand in _candidates(scratch_ckpt):
+    errors: list[str] = []
+    for cand in _candidates(scratch_ckpt, errors):
         if newest is not None and newest.step >= cand.step:
             return StageResult("up-to-date", f"{durable} has step {newest.step}", newest.step, str(newest.path))
         run = RunDir(durable, lock_timeout=lock_timeout)
@@ -123,6 +133,8 @@ def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float
         finally:
             run.unlock()
         return StageResult("staged", f"{cand.path} -> {dst}", cand.step, str(dst))
+    if errors:
+        return StageResult("failed", "unreadable checkpoint(s): " + "; ".join(errors)[:2000])
     return StageResult("none", f"no valid checkpoint in {scratch_ckpt}")
 
 

@@ -50,3 +50,30 @@ def make_cfg(base: Path, root: Path | None = None, **scratch: Any) -> Config:
                                            min_size=2**20), **scratch)  # type: ignore[arg-type]
     st = StorageConfig(root=str(root) if root else "")
     return dataclasses.replace(Config(), scratch=sc, storage=st).validate()
+
+
+def write_ckpt(run_dir: Path, step: int, nbytes: int = 4096, owner: User | None = None) -> Path:
+    """Commit a real checkpoint with the store (no torch needed), owned by ``owner``.
+
+    The test user cannot run this interpreter (it lives under root's home), so
+    root writes it and hands it over, as if the job had written it.
+    """
+    from slurm_ckpt.store import RunDir
+    from slurm_ckpt.store.codec import encode_state
+    from slurm_ckpt.store.writer import write_state
+
+    enc = encode_state({"blob": os.urandom(nbytes), "step": step})
+    rd = RunDir(run_dir)
+    try:
+        path = rd.commit(step, lambda tmp: write_state(tmp, enc), nbytes=enc.nbytes)
+    finally:
+        rd.unlock()
+    if owner is not None:
+        sh("chown", "-R", f"{owner.uid}:{owner.gid}", str(run_dir))
+    return path
+
+
+def owned_tree(path: Path, user: User) -> None:
+    """Make ``path`` (and parents up to an existing one) a dir owned by ``user``."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chown(path, user.uid, user.gid)

@@ -1,0 +1,192 @@
+"""Prolog and epilog end to end on real filesystems with a real unprivileged user (no Slurm)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from slurm_ckpt.node import Ledger, run_epilog, run_prolog, task_prolog
+from slurm_ckpt.node.scratch import STATE_DIR
+from slurm_ckpt.store import find_latest, verify_checkpoint
+from slurm_ckpt.store.layout import list_steps
+from tests.node.helpers import User, make_cfg, owned_tree, sh, write_ckpt
+
+MiB = 2**20
+
+
+def ledger(base: Path) -> dict[str, dict[str, object]]:
+    return Ledger(base / STATE_DIR, 1).entries()
+
+
+def lines_for(base: Path, job_id: str, localid: str = "0") -> list[str]:
+    return task_prolog({"SLURM_JOB_ID": job_id, "SLURM_CKPT_SCRATCH_BASE": str(base),
+                        "SLURM_CKPT_CONFIG": "/dev/null", "SLURM_LOCALID": localid})  # fmt: skip
+
+
+def test_prolog_then_epilog_stages_out_as_the_user(pub_tmp: Path, user: User) -> None:
+    base, root = pub_tmp / "scratch", pub_tmp / "shared"
+    owned_tree(root / user.name, user)
+    cfg = make_cfg(base, root)
+    env = user.env("101", SLURM_JOB_COMMENT="ckpt_scratch=8M")
+    report = run_prolog(env, cfg)
+    assert report is not None and report.scratch == str(base / "job_101") and report.size == 8 * MiB
+    st = os.lstat(base / "job_101")
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (user.uid, 0o700)
+    assert ledger(base)["101"]["size"] == 8 * MiB
+    assert f"export SLURM_CKPT_SCRATCH={base}/job_101" in lines_for(base, "101")
+    # The job checkpoints to its fast tier; step 2 never reached the durable dir.
+    write_ckpt(base / "job_101" / "ckpt", 1, owner=user)
+    write_ckpt(base / "job_101" / "ckpt", 2, owner=user)
+    res = run_epilog(env, cfg)
+    assert res is not None and res.status == "staged" and res.step == 2
+    durable = root / user.name / "job_101"
+    staged = durable / "step-000000002"
+    verify_checkpoint(staged, full=True)
+    # Written with the user's identity: root never wrote into the user's tree.
+    assert {p.stat().st_uid for p in [durable, staged, *staged.iterdir()]} == {user.uid}
+    assert not (base / "job_101").exists() and "101" not in ledger(base)
+    assert not (base / STATE_DIR / "job_101.json").exists()
+    assert run_epilog(env, cfg) is None  # a second epilog is harmless
+    assert [s for s, _ in list_steps(durable)] == [2]
+
+
+def test_tier_json_names_the_durable_dir_and_up_to_date_is_not_copied(pub_tmp: Path, user: User) -> None:
+    base, custom = pub_tmp / "scratch", pub_tmp / "elsewhere" / "run"
+    owned_tree(custom.parent, user)
+    cfg = make_cfg(base, pub_tmp / "unused-root")
+    env = user.env("102")
+    run_prolog(env, cfg)
+    ckpt = base / "job_102" / "ckpt"
+    write_ckpt(ckpt, 5, owner=user)
+    (ckpt / "TIER.json").write_text(json.dumps({"durable": str(custom)}))
+    write_ckpt(custom, 5, owner=user)  # the background drain already copied it
+    mtime = (custom / "step-000000005" / "MANIFEST.json").stat().st_mtime_ns
+    res = run_epilog(env, cfg)
+    assert res is not None and res.status == "up-to-date" and res.step == 5
+    assert (custom / "step-000000005" / "MANIFEST.json").stat().st_mtime_ns == mtime
+    assert not (base / "job_102").exists()
+
+
+def test_failed_stage_out_keeps_scratch_and_reservation_until_a_rerun(pub_tmp: Path, user: User) -> None:
+    base, root = pub_tmp / "scratch", pub_tmp / "shared"
+    (root / user.name).mkdir(parents=True)  # root-owned: the user cannot create its run dir
+    cfg = make_cfg(base, root)
+    env = user.env("103")
+    run_prolog(env, cfg)
+    write_ckpt(base / "job_103" / "ckpt", 7, owner=user)
+    res = run_epilog(env, cfg)
+    assert res is not None and res.status == "failed" and "Permission denied" in res.detail
+    assert (base / "job_103" / "ckpt" / "step-000000007").is_dir()  # the only copy: kept
+    assert "stage-out failed" in str(ledger(base)["103"]["kept"])
+    os.chown(root / user.name, user.uid, user.gid)  # the admin fixes it and reruns the epilog
+    res = run_epilog(env, cfg)
+    assert res is not None and res.status == "staged"
+    assert not (base / "job_103").exists() and "103" not in ledger(base)
+
+
+def test_stage_out_past_its_deadline_is_killed_and_scratch_kept(pub_tmp: Path, user: User) -> None:
+    base, root = pub_tmp / "scratch", pub_tmp / "shared"
+    owned_tree(root / user.name / "job_104" / "step-000000009", user)
+    # The user's own durable dir holds a FIFO where a manifest should be: reading it blocks.
+    user.run("mkfifo", str(root / user.name / "job_104" / "step-000000009" / "MANIFEST.json"))
+    cfg = make_cfg(base, root, epilog_timeout=6.5)  # 1.5 s for stage-out, 5 s kept for cleanup
+    env = user.env("104")
+    run_prolog(env, cfg)
+    write_ckpt(base / "job_104" / "ckpt", 3, owner=user)
+    res = run_epilog(env, cfg)
+    assert res is not None and res.status == "timeout"
+    assert (base / "job_104" / "ckpt" / "step-000000003").is_dir()
+    assert "timeout" in str(ledger(base)["104"]["kept"])
+
+
+def test_over_reservation_warns_and_shrinks_or_gives_none(loop_fs: Callable[..., Path], user: User,
+                                                         other_user: User) -> None:  # fmt: skip
+    base = loop_fs("ext4", "128M")
+    cap = os.statvfs(base).f_blocks * os.statvfs(base).f_frsize
+    cfg = make_cfg(base, headroom=8 * MiB)
+    a = run_prolog(user.env("201", SLURM_JOB_COMMENT="ckpt_scratch=80M"), cfg)
+    assert a is not None and a.size == 80 * MiB and not a.warnings
+    b = run_prolog(other_user.env("202", SLURM_JOB_COMMENT="ckpt_scratch=100M"), cfg)
+    assert b is not None and b.size == cap - 8 * MiB - 80 * MiB and b.scratch
+    out = lines_for(base, "202")
+    assert any(line.startswith("print slurm-ckpt: warning: this job asked for 100.0MiB") for line in out)
+    assert not [x for x in lines_for(base, "202", localid="3") if x.startswith("print")]  # once per node
+    cfg_none = make_cfg(base, headroom=8 * MiB, over_reserve="none")
+    c = run_prolog(user.env("203", SLURM_JOB_COMMENT="ckpt_scratch=1G"), cfg_none)
+    assert c is not None and c.size == 0 and c.scratch is None and not (base / "job_203").exists()
+    out = lines_for(base, "203")
+    assert not any(x.startswith("export SLURM_CKPT_SCRATCH") for x in out)
+    assert any("no node-local scratch" in x for x in out)
+    for env in (user.env("201"), other_user.env("202"), user.env("203")):
+        run_epilog(env, cfg)
+    assert ledger(base) == {}
+
+
+def test_loop_enforcement_stops_a_job_at_its_size_not_its_neighbour(loop_fs: Callable[..., Path],
+                                                                    user: User, other_user: User) -> None:  # fmt: skip
+    base = loop_fs("ext4", "1G")
+    cfg = make_cfg(base, enforce="loop")
+    ra = run_prolog(user.env("301", SLURM_JOB_COMMENT="ckpt_scratch=32M"), cfg)
+    rb = run_prolog(other_user.env("302", SLURM_JOB_COMMENT="ckpt_scratch=32M"), cfg)
+    assert ra is not None and rb is not None and ra.enforce == rb.enforce == "loop"
+    a, b = base / "job_301", base / "job_302"
+    assert os.stat(a).st_dev != os.stat(base).st_dev and os.stat(a).st_uid == user.uid
+    # Job A writes past its 32 MiB: the kernel says ENOSPC, at about its size.
+    p = user.run("dd", "if=/dev/zero", f"of={a}/fill", "bs=1M", "count=48", "conv=fsync", check=False)
+    assert p.returncode != 0 and "No space left on device" in p.stderr
+    assert 24 * MiB <= (a / "fill").stat().st_size <= 32 * MiB  # less the filesystem overhead
+    # Its neighbour still writes what it reserved.
+    q = other_user.run("dd", "if=/dev/zero", f"of={b}/fill", "bs=1M", "count=24", "conv=fsync")
+    assert q.returncode == 0 and (b / "fill").stat().st_size == 24 * MiB
+    # The job cannot escalate through its filesystem: it is nosuid,nodev.
+    opts = next(line.split()[5] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+                if line.split()[4] == str(a))  # fmt: skip
+    assert {"nosuid", "nodev"} <= set(opts.split(","))
+    for env in (user.env("301"), other_user.env("302")):
+        res = run_epilog(env, cfg)
+        assert res is not None and res.status == "none"
+    assert not a.exists() and not b.exists()
+    assert not list((base / STATE_DIR / "img").iterdir())
+    assert str(a) not in Path("/proc/self/mountinfo").read_text()
+
+
+def test_kept_loop_scratch_is_mounted_again_and_adopted(loop_fs: Callable[..., Path], user: User,
+                                                        pub_tmp: Path) -> None:  # fmt: skip
+    base, root = loop_fs("ext4", "512M"), pub_tmp / "shared"
+    (root / user.name).mkdir(parents=True)  # not writable by the user: stage-out fails
+    cfg = make_cfg(base, root, enforce="loop")
+    env = user.env("303", SLURM_JOB_COMMENT="ckpt_scratch=16M")
+    run_prolog(env, cfg)
+    write_ckpt(base / "job_303" / "ckpt", 4, owner=user)
+    assert run_epilog(env, cfg).status == "failed"  # type: ignore[union-attr]
+    sh("umount", str(base / "job_303"))  # as after a reboot
+    r = run_prolog(env, cfg)  # requeued onto this node
+    assert r is not None and r.size == 16 * MiB
+    assert find_latest([base / "job_303" / "ckpt"]) is not None
+    os.chown(root / user.name, user.uid, user.gid)
+    assert run_epilog(env, cfg).status == "staged"  # type: ignore[union-attr]
+    assert not (base / "job_303").exists()
+
+
+def test_bad_config_or_job_never_raises(pub_tmp: Path) -> None:
+    base = pub_tmp / "scratch"
+    env = {"SLURM_JOB_ID": "../../etc", "SLURM_JOB_UID": "0", "SLURM_CKPT_CONFIG": "/dev/null",
+           "SLURM_CKPT_SCRATCH_BASE": str(base)}  # fmt: skip
+    assert run_prolog(env) is None and run_epilog(env) is None
+    assert not base.exists()
+    env = {"SLURM_JOB_ID": "5", "SLURM_JOB_UID": "0", "SLURM_CKPT_CONFIG": str(pub_tmp / "missing.yaml")}
+    assert run_prolog(env) is None
+
+
+def test_missing_scratch_disk_is_a_node_fault(pub_tmp: Path) -> None:
+    (pub_tmp / "file").write_text("not a dir")
+    cfg = make_cfg(pub_tmp / "file" / "base")
+    from slurm_ckpt.errors import StorageError
+
+    with pytest.raises(StorageError, match="scratch base unusable"):
+        run_prolog({"SLURM_JOB_ID": "9", "SLURM_JOB_UID": "0"}, cfg)

@@ -1,0 +1,162 @@
+"""Hostile users against the root-run hooks, with a real unprivileged user.
+
+Each case checks the three promises: nothing outside the job's own dir is
+touched, chowned or deleted; no link is followed; no user data is executed.
+And stage-out never copies a file the user could not read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from slurm_ckpt.node import run_epilog, run_prolog
+from slurm_ckpt.store.layout import list_steps
+from tests.node.helpers import User, make_cfg, owned_tree, write_ckpt
+
+
+def fingerprint(path: Path) -> list[tuple[str, int, int, int, int]]:
+    """Names, modes, owners and mtimes of a tree, without following links."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in [*dirnames, *filenames, ""]:
+            p = os.path.join(dirpath, name) if name else dirpath
+            st = os.lstat(p)
+            out.append((p, st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns))
+    return sorted(out)
+
+
+@pytest.fixture
+def site(pub_tmp: Path, user: User, other_user: User) -> dict[str, Path]:
+    """Scratch, durable root with both users' dirs, and a victim dir of the other user."""
+    base, root = pub_tmp / "scratch", pub_tmp / "shared"
+    owned_tree(root / user.name, user)
+    victim = root / other_user.name
+    owned_tree(victim, other_user)
+    (victim / "theirs").write_text("other user's data")
+    os.chown(victim / "theirs", other_user.uid, other_user.gid)
+    secret = pub_tmp / "root-secret"
+    secret.write_text("root only\n")
+    secret.chmod(0o600)
+    return {"base": base, "root": root, "victim": victim, "secret": secret}
+
+
+def run_job(site: dict[str, Path], user: User, job_id: str, **env: str) -> Path:
+    cfg = make_cfg(site["base"], site["root"])
+    run_prolog(user.env(job_id, **env), cfg)
+    return site["base"] / f"job_{job_id}"
+
+
+def epilog(site: dict[str, Path], user: User, job_id: str):  # type: ignore[no-untyped-def]
+    return run_epilog(user.env(job_id), make_cfg(site["base"], site["root"]))
+
+
+def test_links_inside_scratch_are_not_followed(site: dict[str, Path], user: User) -> None:
+    before = {p: fingerprint(p) for p in (Path("/etc/ssh"), site["victim"])}
+    job = run_job(site, user, "11")
+    user.run("ln", "-s", "/etc", str(job / "etc"))
+    user.run("ln", "-s", str(site["victim"]), str(job / "victim"))
+    user.run("ln", "-s", str(site["victim"]), str(job / "ckpt"))  # the whole fast tier a link
+    res = epilog(site, user, "11")
+    assert res is not None and res.status == "none"  # the victim dir has no checkpoint to steal
+    assert not job.exists()
+    assert {p: fingerprint(p) for p in before} == before
+
+
+def test_a_checkpoint_whose_file_the_user_cannot_read_is_not_copied(site: dict[str, Path], user: User) -> None:
+    job = run_job(site, user, "12")
+    step = write_ckpt(job / "ckpt", 1, owner=user)
+    # A hardlink to a root-only file with exactly the bytes the manifest wants:
+    # as a checkpoint it is perfect, but the user may not read it.
+    data = step / "state.json"
+    site["secret"].write_bytes(data.read_bytes())
+    data.unlink()
+    os.link(site["secret"], data)
+    res = epilog(site, user, "12")
+    assert res is not None and res.status == "failed" and "Permission denied" in res.detail
+    assert list_steps(site["root"] / user.name / "job_12") == []
+    assert not list((site["root"] / user.name).rglob("state.json"))
+    assert os.lstat(site["secret"]).st_uid == 0 and stat.S_IMODE(os.lstat(site["secret"]).st_mode) == 0o600
+    assert job.exists()  # kept: its checkpoint could not be staged
+
+
+def test_fifos_devices_and_newlines_do_not_hang_or_escape(site: dict[str, Path], user: User) -> None:
+    job = run_job(site, user, "13")
+    step = write_ckpt(job / "ckpt", 2, owner=user)
+    newer = write_ckpt(job / "ckpt", 3, owner=user)
+    # The newest checkpoint's data file is a FIFO: reading it would block forever.
+    (newer / "state.json").unlink()
+    user.run("mkfifo", str(newer / "state.json"))
+    os.mknod(job / "zero", 0o666 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero's numbers
+    user.run("mkfifo", str(job / "fifo"))
+    user.run("mkdir", str(job / "ckpt" / "step-000000009\n"), str(job / "a\nb"))
+    res = epilog(site, user, "13")
+    assert res is not None and res.status == "staged" and res.step == 2, res
+    assert (site["root"] / user.name / "job_13" / step.name).is_dir()
+    assert not job.exists()
+
+
+def test_hostile_tier_json(site: dict[str, Path], user: User) -> None:
+    before = {p: fingerprint(p) for p in (site["victim"], Path("/etc/ssh"))}
+    for job_id, tier in [("14", {"durable": str(site["victim"] / "stolen")}),
+                         ("15", {"durable": "/etc/slurm-ckpt-pwned"}),
+                         ("16", {"durable": "relative/../../etc"}),
+                         ("17", "link"), ("18", "fifo"), ("19", "huge")]:  # fmt: skip
+        job = run_job(site, user, job_id)
+        write_ckpt(job / "ckpt", 1, owner=user)
+        tier_path = job / "ckpt" / "TIER.json"
+        if tier == "link":
+            user.run("ln", "-s", "/etc/shadow", str(tier_path))
+        elif tier == "fifo":
+            user.run("mkfifo", str(tier_path))
+        elif tier == "huge":
+            user.run("truncate", "-s", "1G", str(tier_path))
+        else:
+            tier_path.write_text(json.dumps(tier))
+        res = epilog(site, user, job_id)
+        assert res is not None
+        if job_id in ("14", "15"):
+            # Written as the user: the other user's dir and /etc refuse it; scratch kept.
+            assert res.status == "failed" and "Permission denied" in res.detail
+            assert job.exists()
+        else:
+            # Not a usable absolute path: the default durable dir is used.
+            assert res.status == "staged" and str(site["root"] / user.name / f"job_{job_id}") in str(res.path)
+            assert not job.exists()
+    assert not Path("/etc/slurm-ckpt-pwned").exists()
+    assert {p: fingerprint(p) for p in before} == before
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"SLURM_JOB_ID": "../../etc"},
+        {"SLURM_JOB_ID": "20;touch /tmp/pwned"},
+        {"SLURM_JOB_ID": "$(touch /tmp/pwned)"},
+        {"SLURM_JOB_USER": "root"},
+        {"SLURM_JOB_USER": "../x"},
+        {"SLURM_JOB_UID": "$(id -u)"},
+    ],
+)
+def test_hostile_job_fields_create_nothing(site: dict[str, Path], user: User, env: dict[str, str]) -> None:
+    cfg = make_cfg(site["base"], site["root"])
+    full = user.env("20") | env
+    assert run_prolog(full, cfg) is None
+    assert run_epilog(full, cfg) is None
+    assert not site["base"].exists() and not Path("/tmp/pwned").exists()
+
+
+@pytest.mark.parametrize("comment", ["ckpt_scratch=-1G", "ckpt_scratch=" + "9" * 400 + "T",
+                                     "ckpt_scratch=99999999999P", "ckpt_scratch=$(reboot)",
+                                     "ckpt_size=-3G ckpt_scratch=nan"])  # fmt: skip
+def test_hostile_sizes_give_warnings_and_the_default(site: dict[str, Path], user: User, comment: str) -> None:
+    cfg = make_cfg(site["base"], site["root"])
+    report = run_prolog(user.env("21", SLURM_JOB_COMMENT=comment), cfg)
+    assert report is not None and report.size == cfg.scratch.default_size
+    assert report.warnings and all("\n" not in w for w in report.warnings)
+    assert run_epilog(user.env("21"), cfg) is not None
+    assert not (site["base"] / "job_21").exists()
