@@ -1,0 +1,121 @@
+"""The shell shims as slurmd runs them: root, no PATH, only the job's variables in the environment."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PROLOG = REPO / "prolog" / "slurm-ckpt-prolog"
+EPILOG = REPO / "epilog" / "slurm-ckpt-epilog"
+TASKPROLOG = REPO / "prolog" / "slurm-ckpt-taskprolog"
+BIN = Path(sys.executable).with_name("slurm-ckpt")
+
+
+@pytest.fixture
+def hooks(pub_tmp: Path) -> Path:
+    """Shims installed in a dir with their hooks.env, as an admin would (see the README)."""
+    if os.geteuid() != 0:
+        pytest.skip("the shims read only root-owned settings")
+    d = pub_tmp / "hooks"
+    d.mkdir()
+    for shim in (PROLOG, EPILOG, TASKPROLOG):
+        shutil.copy2(shim, d / shim.name)
+    (d / "config.yaml").write_text(f"scratch:\n  base: {pub_tmp}/scratch\n  default_size: 64M\n"
+                                   f"  min_size: 1M\nstorage:\n  root: {pub_tmp}/shared\n")  # fmt: skip
+    write_env(d, SLURM_CKPT_BIN=str(BIN), SLURM_CKPT_CONFIG=str(d / "config.yaml"),
+              SLURM_CKPT_HOOK_LOG=str(d / "log" / "hooks.log"))  # fmt: skip
+    return d
+
+
+def write_env(d: Path, **settings: str) -> None:
+    (d / "hooks.env").write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
+    (d / "hooks.env").chmod(0o644)
+
+
+def run(shim: Path, job_id: str = "42", **env: str) -> subprocess.CompletedProcess[str]:
+    """Exactly the environment slurmd builds: no PATH, the job's fields."""
+    base = {"SLURM_JOB_ID": job_id, "SLURM_JOB_UID": "0", "SLURM_JOB_GID": "0", "SLURM_JOB_USER": "root"}
+    return subprocess.run([str(shim)], env=base | env, capture_output=True, text=True, timeout=60)
+
+
+def test_prolog_and_epilog_shims_with_no_path(hooks: Path, pub_tmp: Path) -> None:
+    p = run(hooks / PROLOG.name)
+    assert (p.returncode, p.stdout, p.stderr) == (0, "", "")  # everything goes to the log
+    assert (pub_tmp / "scratch" / "job_42").is_dir()
+    t = subprocess.run([str(hooks / TASKPROLOG.name)], env={"SLURM_JOB_ID": "42"}, capture_output=True,
+                       text=True, timeout=60)  # fmt: skip
+    assert t.returncode == 0 and f"export SLURM_CKPT_SCRATCH={pub_tmp}/scratch/job_42" in t.stdout.splitlines()
+    e = run(hooks / EPILOG.name)
+    assert e.returncode == 0 and not (pub_tmp / "scratch" / "job_42").exists()
+    log = (hooks / "log" / "hooks.log").read_text()
+    assert "prolog done" in log and "epilog done" in log
+
+
+def test_exit_codes(hooks: Path, pub_tmp: Path) -> None:
+    write_env(hooks, SLURM_CKPT_BIN=str(pub_tmp / "missing"), SLURM_CKPT_HOOK_LOG=str(hooks / "l"))
+    assert run(hooks / PROLOG.name).returncode == 10
+    assert run(hooks / TASKPROLOG.name).returncode == 0  # never cancels a task
+    slow = pub_tmp / "slow"
+    slow.write_text("#!/bin/sh\nexec sleep 30\n")
+    slow.chmod(0o755)
+    write_env(hooks, SLURM_CKPT_BIN=str(slow), SLURM_CKPT_PROLOG_WATCHDOG="1",
+              SLURM_CKPT_HOOK_LOG=str(hooks / "l"))  # fmt: skip
+    t0 = time.monotonic()
+    assert run(hooks / PROLOG.name).returncode == 11
+    assert time.monotonic() - t0 < 10
+    write_env(hooks, SLURM_CKPT_BIN="/bin/false", SLURM_CKPT_HOOK_LOG=str(hooks / "l"))
+    assert run(hooks / EPILOG.name).returncode == 12
+    assert "reported a node fault (exit 1)" in (hooks / "l").read_text()
+
+
+def test_settings_writable_by_others_are_ignored(hooks: Path) -> None:
+    (hooks / "hooks.env").chmod(0o666)
+    p = run(hooks / PROLOG.name)
+    # Not read: the default binary path is used, which is not installed here.
+    assert p.returncode == 10 and not (hooks / "log").exists()
+
+
+def test_hostile_job_fields_through_the_shim(hooks: Path, pub_tmp: Path) -> None:
+    for job_id in ("$(touch /tmp/pwned-shim)", "1;touch /tmp/pwned-shim", "../../etc", "`id`"):
+        p = run(hooks / PROLOG.name, job_id, SLURM_JOB_COMMENT="ckpt_scratch=$(touch /tmp/pwned-shim)")
+        assert p.returncode == 0
+        assert run(hooks / EPILOG.name, job_id).returncode == 0
+    assert not Path("/tmp/pwned-shim").exists()
+    assert not (pub_tmp / "scratch").exists() or not [
+        p for p in (pub_tmp / "scratch").iterdir() if p.name != ".slurm-ckpt"
+    ]
+
+
+def test_load_only_guard_defines_functions_and_runs_nothing(hooks: Path) -> None:
+    script = f'SLURM_CKPT_SHIM_LOAD_ONLY=1; . "{hooks / PROLOG.name}"; die 12 "from a test"'
+    p = subprocess.run(["/bin/bash", "-c", script], capture_output=True, text=True, timeout=30,
+                       env={"SLURM_JOB_ID": "7"})  # fmt: skip
+    assert p.returncode == 12 and "job 7: from a test" in p.stderr
+    assert not (hooks / "log").exists()
+
+
+def test_prolog_and_epilog_median_wall_time(hooks: Path) -> None:
+    """The issue's target: median of 20 runs each, without stage-out, at most 250 ms."""
+    times: dict[str, list[float]] = {"prolog": [], "epilog": []}
+    for i in range(20):
+        for name, shim in (("prolog", PROLOG), ("epilog", EPILOG)):
+            t0 = time.monotonic()
+            assert run(hooks / shim.name, str(900 + i)).returncode == 0
+            times[name].append(time.monotonic() - t0)
+    med = {k: statistics.median(v) * 1000 for k, v in times.items()}
+    print(f"\nmedian wall time over 20 runs: prolog {med['prolog']:.0f} ms, epilog {med['epilog']:.0f} ms")
+    assert med["prolog"] <= 250 and med["epilog"] <= 250
+
+
+def test_the_hook_path_never_imports_torch() -> None:
+    code = ("import sys, slurm_ckpt.cli, slurm_ckpt.node, slurm_ckpt.node.prolog, slurm_ckpt.node.epilog; "
+            "sys.exit('torch' in sys.modules)")  # fmt: skip
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
