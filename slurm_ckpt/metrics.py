@@ -157,7 +157,9 @@ class Metrics:
         m = cls(path, {"job_id": job, "rank": rank, "user": user},
                 requeues=int(restarts) if restarts.isdigit() else 0)  # fmt: skip
         if cfg.port:
-            m.serve(cfg.port)
+            # One port per process on the node: ranks sharing a node must not collide.
+            local = env.get("SLURM_LOCALID") or env.get("LOCAL_RANK") or "0"
+            m.serve(cfg.port + (int(local) if local.isdigit() else 0))
         m.flush()
         return m
 
@@ -256,7 +258,7 @@ class Metrics:
                 self._warned = True
                 log.warning("cannot write metrics file %s: %s (metrics.textfile_dir)", self.textfile, e)
 
-    def serve(self, port: int, addr: str = "") -> None:
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Serve these metrics over HTTP with prometheus_client (an optional dependency)."""
         try:
             from prometheus_client import CollectorRegistry, start_http_server
@@ -272,7 +274,11 @@ class Metrics:
 
         reg = CollectorRegistry(auto_describe=False)
         reg.register(_Collector())
-        self._server = start_http_server(port, addr=addr, registry=reg)
+        try:
+            self._server = start_http_server(port, addr=addr, registry=reg)
+        except OSError as e:
+            # Metrics must never stop training: a busy port costs the endpoint only.
+            log.warning("cannot serve metrics on port %d: %s (metrics.port)", port, e)
 
     def close(self, *, remove: bool = False) -> None:
         """Stop serving; with ``remove``, delete the textfile (the job is over)."""

@@ -192,3 +192,18 @@ def test_checkpointer_records_saves_and_loads(tmp_path: Path, monkeypatch: pytes
     assert sample(text, "slurm_ckpt_load_duration_seconds_count") == 1
     assert sample(text, "slurm_ckpt_load_bytes_total") >= 4000
     assert sample(text, "slurm_ckpt_requeues_total") == 1
+
+
+def test_port_per_local_rank_and_busy_port_only_warns(caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("prometheus_client")
+    base = _free_port()
+    cfg = MetricsConfig(port=base)
+    a = Metrics.from_config(cfg, env={"SLURM_JOB_ID": "1", "SLURM_LOCALID": "0"})
+    b = Metrics.from_config(cfg, env={"SLURM_JOB_ID": "1", "SLURM_LOCALID": "0", "SLURM_PROCID": "9"})
+    try:
+        assert any("cannot serve metrics on port" in r.getMessage() for r in caplog.records)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{base}/metrics", timeout=10).read().decode()
+        assert sample(body, "slurm_ckpt_saves_total", job_id="1", rank="0") == 0
+    finally:
+        a.close()
+        b.close()
