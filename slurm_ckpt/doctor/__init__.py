@@ -79,7 +79,8 @@ def run_doctor(
         try:
             conf = SlurmConf(conf_path)
         except OSError as e:
-            report.add("slurm", Severity.WARN, f"cannot read {conf_path}: {e.strerror}")
+            report.add("slurm", Severity.WARN, f"cannot read {conf_path}: {e.strerror}",
+                       "pass --slurm-conf with the slurm.conf the controller uses")  # fmt: skip
         else:
             check_slurm_conf(report, ctx, conf)
     check_timing(report, ctx, conf)

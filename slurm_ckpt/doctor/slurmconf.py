@@ -64,8 +64,13 @@ class SlurmConf:
 
 
 def find_slurm_conf(explicit: str | None = None) -> Path | None:
-    for cand in (explicit, os.environ.get("SLURM_CONF"), "/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf"):
-        if cand and Path(cand).is_file():
+    """``explicit``, else ``$SLURM_CONF`` (both returned even if missing: the caller
+    says so), else the first of Debian's and Slurm's default paths that exists."""
+    named = explicit or os.environ.get("SLURM_CONF")
+    if named:
+        return Path(named)
+    for cand in ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf", "/usr/local/etc/slurm.conf"):
+        if Path(cand).is_file():
             return Path(cand)
     return None
 

@@ -258,3 +258,22 @@ def test_doctor_never_imports_torch(tmp_path: Path) -> None:
                          env={**os.environ, "SLURM_CONF": str(tmp_path / "none")})  # fmt: skip
     assert "torch loaded: False numpy loaded: False" in out.stdout, out.stdout + out.stderr
     assert '"check": "probe"' in out.stdout
+
+
+def test_checkpoint_size_read_from_the_run_dir(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from slurm_ckpt import Checkpointer
+    from slurm_ckpt.config import Config
+    from slurm_ckpt.doctor import run_doctor
+
+    with Checkpointer(tmp_path / "run", config=Config()) as ckpt:
+        path = ckpt.save({"w": torch.zeros(250_000)}, step=1)
+    from slurm_ckpt.store import verify_checkpoint
+
+    m = verify_checkpoint(path, full=False)
+    r = run_doctor(tmp_path / "run", probe_bytes=4 << 20, probe_seconds=1, slurm_conf=str(tmp_path / "none"))
+    assert any(f.check == "slurm" and f.severity == Severity.WARN and "cannot read" in f.message
+               for f in r.findings)  # a slurm.conf named but missing is said, not skipped  # fmt: skip
+    timing = next(f for f in r.findings if f.check == "timing")
+    assert timing.data["checkpoint_bytes"] == m.nbytes >= 1_000_000
+    assert "your 1 MB checkpoint needs" in timing.message
