@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .config import Config
 
-__all__ = ["default_run_dir", "job_id", "user_name"]
+__all__ = ["default_run_dir", "job_id", "scratch_dir", "user_name"]
 
 
 def job_id() -> str:
@@ -33,3 +33,9 @@ def default_run_dir(cfg: Config) -> Path:
     if cfg.storage.root and jid:
         return Path(cfg.storage.root) / user_name() / f"job_{jid}"
     return Path("checkpoints")
+
+
+def scratch_dir() -> Path | None:
+    """$SLURM_CKPT_SCRATCH: the job's node-local scratch (the prolog makes it), or None."""
+    value = os.environ.get("SLURM_CKPT_SCRATCH")
+    return Path(value) if value else None

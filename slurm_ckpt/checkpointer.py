@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
-from ._env import default_run_dir, job_id
+from ._env import default_run_dir, job_id, scratch_dir
 from .config import Config, load_config
 from .control import Control
 from .dist import ShardedRunDir, rank_info
@@ -16,7 +17,10 @@ from .errors import CheckpointCorrupt
 from .metrics import Metrics
 from .store import RunDir, Skipped, find_latest, iter_valid, note_skip
 from .store.commit import WriteFn
+from .store.layout import step_dir
 from .store.retry import RetryPolicy, commit_resilient
+from .store.tiers import Tiers, fast_dir, usable_scratch
+from .store.verify import verify_checkpoint
 
 __all__ = ["Checkpointer", "SaveHandle"]
 
@@ -28,6 +32,11 @@ class Checkpointer:
 
     The run dir is ``dir`` if given, else ``$SLURM_CKPT_DIR``, else
     ``<storage.root>/<user>/job_<id>`` from the config, else ``./checkpoints``.
+
+    With node-local scratch (``scratch``, else ``$SLURM_CKPT_SCRATCH``, an
+    existing writable dir) there are two tiers: a save commits to
+    ``<scratch>/ckpt`` and a background thread copies it to the run dir (the
+    durable tier); see ``store/tiers.py``. ``scratch=False`` keeps one tier.
 
     >>> ckpt = Checkpointer()
     >>> state = ckpt.load_latest()          # None on a fresh start
@@ -43,6 +52,7 @@ class Checkpointer:
         allow_pickle: bool | None = None,
         lock_timeout: float | None = 0,
         distributed: bool | None = None,
+        scratch: str | Path | bool | None = None,
     ) -> None:
         self.config = config or load_config()
         run_dir = RunDir(Path(dir) if dir else default_run_dir(self.config), lock_timeout=lock_timeout)
@@ -62,6 +72,7 @@ class Checkpointer:
         self._retry: dict[Path, RetryPolicy] = {}
         # The fast writer/reader; it keeps staging buffers between saves.
         self.engine = Engine(self.config.engine)
+        self.tiers = self._make_tiers(scratch, lock_timeout)
 
     @property
     def dir(self) -> Path:
@@ -70,7 +81,92 @@ class Checkpointer:
     @property
     def search_dirs(self) -> list[Path]:
         """Run dirs that discovery looks in, fastest tier first."""
-        return [self.dir]
+        return self.tiers.search_dirs if self.tiers is not None else [self.dir]
+
+    def _make_tiers(self, scratch: str | Path | bool | None, lock_timeout: float | None) -> Tiers | None:
+        if scratch is False or self.run_dir.group() is not None:
+            # A collective save writes one checkpoint from every node, and each
+            # node has its own scratch: those go straight to the durable tier.
+            return None
+        named = scratch_dir() if scratch is None or scratch is True else Path(scratch)
+        base = usable_scratch(named)
+        if base is None:
+            if named is not None:
+                log.warning("scratch %s is not a writable directory; saving to %s only", named, self.dir)
+            return None
+        fast = fast_dir(base).absolute()
+        if fast == self.dir:
+            return None
+        tiers = Tiers(RunDir(fast, lock_timeout=lock_timeout), self.run_dir.inner, keep=self.keep,
+                      policy=RetryPolicy.for_path(self.config.storage, self.dir),
+                      on_lag=self.metrics.set_stageout_lag)  # fmt: skip
+        try:
+            tiers.activate()
+        except OSError as e:
+            log.warning("cannot use scratch %s (%s); saving to %s only", fast, e, self.dir)
+            return None
+        return tiers
+
+    def is_durable(self, step: int) -> bool:
+        """True once checkpoint ``step`` is committed on the durable tier.
+
+        With one tier that is as soon as it is committed. The wrapper uses this
+        (and :meth:`drain`) to decide whether the epilog must stage out.
+        """
+        if self.tiers is not None:
+            return self.tiers.is_durable(step)
+        h = self._inflight
+        if h is not None and h.step == step and not h.done():
+            return False
+        try:
+            verify_checkpoint(step_dir(self.dir, step), full=False)
+        except (CheckpointCorrupt, OSError):
+            return False
+        return True
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the newest checkpoint to be durable.
+
+        Returns True if it is. Never raises for a failed copy: the checkpoint
+        stays on scratch, which the epilog stages out; the error surfaces at
+        the next save or ``wait()`` per ``storage.on_async_error``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        h = self._inflight
+        if h is not None:
+            try:
+                h.wait(timeout)
+            except Exception:  # TimeoutError, or the save's own error (kept for wait())
+                return False
+        if self.tiers is None:
+            return True
+        return self.tiers.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def _surface_drain_error(self) -> None:
+        """A failed copy to the durable tier: raise or log it per ``storage.on_async_error``.
+
+        Only logged once a checkpoint-and-stop was requested: the emergency save
+        to scratch matters more, and the epilog stages it out.
+        """
+        err = self.tiers.take_error() if self.tiers is not None else None
+        if err is None:
+            return
+        if self.config.storage.on_async_error == "warn" or self.control.requested:
+            log.warning("copying a checkpoint to the durable tier failed: %s; it stays on scratch "
+                        "and training goes on", err)  # fmt: skip
+            return
+        raise err
+
+    def _committed(self, step: int, path: Path) -> None:
+        """After a commit: queue the copy to the durable tier, retention, the report."""
+        self.last_committed = path
+        tiers = self.tiers
+        if tiers is not None and path.parent == tiers.fast.path:
+            tiers.submit(step, path)
+            tiers.fast.retain(self.keep, protect=[path, *tiers.protected()])
+        else:
+            self.run_dir.retain(self.keep, protect=[path])
+        self.control.report_committed(step, str(path))
 
     @property
     def preempted(self) -> bool:
@@ -109,6 +205,7 @@ class Checkpointer:
     def save(self, state: Any, step: int) -> Path:
         """Write ``state`` as checkpoint ``step``; return once it is durable and committed."""
         self._drain_inflight()
+        self._surface_drain_error()
         return self._save_sync(state, step)
 
     def _save_sync(self, state: Any, step: int) -> Path:
@@ -117,9 +214,7 @@ class Checkpointer:
             path = self._commit(step, job.write, job.nbytes)
         finally:
             job.close()
-        self.last_committed = path
-        self.run_dir.retain(self.keep, protect=[path])
-        self.control.report_committed(step, str(path))
+        self._committed(step, path)
         return path
 
     def save_async(self, state: Any, step: int) -> SaveHandle:
@@ -138,9 +233,7 @@ class Checkpointer:
         def run() -> None:
             try:
                 path = self._commit(step, job.write, job.nbytes)
-                self.last_committed = path
-                self.run_dir.retain(self.keep, protect=[path])
-                self.control.report_committed(step, str(path))
+                self._committed(step, path)
                 handle._finish(path, None)
             except BaseException as e:  # surfaced on wait() and the next save
                 log.error("background save of step %d failed: %s", step, e)
@@ -158,7 +251,8 @@ class Checkpointer:
             if self.run_dir.group() is not None:
                 # A collective save: one rank retrying alone would desynchronise the others.
                 return self.run_dir.commit(step, write, nbytes=nbytes, job_id=job_id())
-            dirs = [self.run_dir]
+            # With tiers: scratch first; when it fails for good, the durable tier.
+            dirs: list[Any] = [self.run_dir] if self.tiers is None else [self.tiers.fast, self.run_dir]
             pols = [self._retry.setdefault(d.path, RetryPolicy.for_path(self.config.storage, d.path))
                     for d in dirs]  # fmt: skip
             return commit_resilient(dirs, step, write, keep=self.keep, policies=pols,
@@ -179,8 +273,14 @@ class Checkpointer:
                         "(storage.on_async_error: warn)", h.step, e)  # fmt: skip
 
     def wait(self) -> None:
-        """Block until any background save is committed; raise its error if it failed."""
+        """Block until any background save is committed, and copied to the durable tier.
+
+        A failed save raises its error; a failed copy follows ``storage.on_async_error``.
+        """
         self._drain_inflight(policy=False)
+        if self.tiers is not None:
+            self.tiers.drain()
+            self._surface_drain_error()
 
     def fence(self) -> None:
         """With ``engine.snapshot: lazy``: block until the save in flight has copied
@@ -236,11 +336,14 @@ class Checkpointer:
         return None
 
     def close(self) -> None:
-        """Finish any background save and release the run dir lock."""
+        """Finish any background save and copy to the durable tier; release the locks."""
         try:
             self._drain_inflight()
         finally:
+            if self.tiers is not None:
+                self.tiers.close()
             self.run_dir.unlock()
+        self._surface_drain_error()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -21,11 +21,12 @@ from typing import Any, TypeVar
 import click
 
 from . import __version__
-from ._env import default_run_dir
+from ._env import default_run_dir, scratch_dir
 from .config import format_size, load_config
 from .errors import CheckpointCorrupt, ConfigError, LockHeld, SlurmCkptError
 from .store import Skipped, find_latest, verify_checkpoint
 from .store.layout import list_steps
+from .store.tiers import read_dirs
 
 __all__ = ["main"]
 
@@ -62,6 +63,11 @@ def _run_dir(dir: str | None) -> Path:
     return Path(dir) if dir else default_run_dir(load_config())
 
 
+def _search_dirs(dir: str | None) -> list[Path]:
+    """``--dir`` alone; else the durable run dir and, when it exists, the scratch tier first."""
+    return [Path(dir)] if dir else read_dirs(_run_dir(None), scratch_dir())
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="slurm-ckpt")
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
@@ -85,17 +91,19 @@ _dir_option = click.option(
 def resume(dir: str | None, as_json: bool, quick: bool) -> None:
     """Print the newest valid checkpoint; exit 3 if there is none.
 
-    Corrupt or partial checkpoints are skipped and named on stderr.
+    Corrupt or partial checkpoints are skipped and named on stderr. Without
+    --dir, the job's scratch tier ($SLURM_CKPT_SCRATCH/ckpt) is searched too.
     """
     skipped: list[Skipped] = []
-    cand = find_latest([_run_dir(dir)], full=not quick, skipped=skipped)
+    dirs = _search_dirs(dir)
+    cand = find_latest(dirs, full=not quick, skipped=skipped)
     for s in skipped:
         click.echo(f"slurm-ckpt: skipped {s.path}: {s.reason}", err=True)
     if cand is None:
         if as_json:
             click.echo(json.dumps({"path": None, "step": None}))
         else:
-            click.echo(f"slurm-ckpt: no valid checkpoint in {_run_dir(dir)}", err=True)
+            click.echo(f"slurm-ckpt: no valid checkpoint in {' or '.join(map(str, dirs))}", err=True)
         sys.exit(EXIT_NONE)
     if as_json:
         m = cand.manifest
@@ -110,8 +118,15 @@ def resume(dir: str | None, as_json: bool, quick: bool) -> None:
 @click.option("--full", is_flag=True, help="Verify every checksum (reads all data).")
 @_errors_to_exit
 def ls_(dir: str | None, full: bool) -> None:
-    """List checkpoints: step, time, size and status."""
-    run_dir = _run_dir(dir)
+    """List checkpoints: step, time, size and status (of each tier, without --dir)."""
+    dirs = _search_dirs(dir)
+    for run_dir, tier in zip(dirs, ["scratch", "durable"] if len(dirs) > 1 else [""], strict=True):
+        if tier:
+            click.echo(f"# {tier} tier: {run_dir}")
+        _ls_dir(run_dir, full)
+
+
+def _ls_dir(run_dir: Path, full: bool) -> None:
     rows = list_steps(run_dir)
     if not rows:
         click.echo(f"no checkpoints in {run_dir}")
@@ -201,6 +216,30 @@ def doctor(
     if worst >= Severity.ERROR:
         sys.exit(EXIT_DOCTOR_ERROR)
     sys.exit(EXIT_DOCTOR_WARN if worst >= Severity.WARN else EXIT_OK)
+
+
+@main.command()
+@click.option("--size", default="1G", show_default=True, help="State size (model + Adam), e.g. 8M, 1G.")
+@click.option("--dir", "dir", type=click.Path(file_okay=False), default="slurm-ckpt-bench",
+              show_default=True, help="Directory on the filesystem to measure (emptied of our files after).")  # fmt: skip
+@click.option("--reps", default=3, show_default=True, help="Repetitions of each method, interleaved.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all timings as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a bar chart (PNG).")
+@click.option("--no-small", is_flag=True, help="Skip the 10,000-small-tensors case.")
+@_errors_to_exit
+def bench(size: str, dir: str, reps: int, json_path: str | None, plot_path: str | None, no_small: bool) -> None:
+    """Measure our saves and loads against torch.save, DCP, safetensors and the raw disk."""
+    from .config import parse_size
+    from .engine.bench import run_bench
+    from .engine.report import format_table, plot
+
+    doc = run_bench(parse_size(size), Path(dir), reps=max(1, reps), small=not no_small,
+                    progress=lambda line: click.echo(line, err=True))  # fmt: skip
+    click.echo(format_table(doc))
+    if json_path:
+        Path(json_path).write_text(json.dumps(doc, indent=1))
+    if plot_path:
+        plot(doc, Path(plot_path))
 
 
 @main.group()

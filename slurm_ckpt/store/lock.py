@@ -59,5 +59,7 @@ class RunDirLock:
             return "holder unknown"
 
     def release(self) -> None:
+        # force: two threads of one writer (a save and the tier drain) may both
+        # have taken it; it is held for the writer's lifetime, released once.
         if self._lock.is_locked:
-            self._lock.release()
+            self._lock.release(force=True)

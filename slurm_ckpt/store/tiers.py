@@ -1,0 +1,273 @@
+"""Two tiers: commit to fast node-local scratch, then drain to durable shared storage.
+
+The contract other parts rely on:
+
+* **fast tier** = ``$SLURM_CKPT_SCRATCH/ckpt``, used when ``SLURM_CKPT_SCRATCH``
+  names an existing writable directory (the prolog makes it); **durable tier**
+  = the Checkpointer's run dir. No scratch: one tier, as before.
+* ``$SLURM_CKPT_SCRATCH/ckpt/TIER.json`` = ``{"durable": "<absolute run dir>"}``
+  (written tmp + fsync + rename) tells the root epilog where to stage out to.
+  The epilog treats it as untrusted and acts with the job user's rights.
+* A save commits to the fast tier (synchronous, durable on scratch). One
+  background thread then copies it to the durable tier with
+  :func:`~slurm_ckpt.store.transfer.copy_checkpoint`, which verifies every byte
+  against the manifest and commits with the same protocol. One copy at a time;
+  checkpoints saved while one is copying are skipped in favour of the newest.
+* Retention runs per tier. On scratch it never deletes the newest checkpoint
+  until it is durable, nor the one being copied.
+* A failed copy (read-only or full durable storage) is logged and kept for the
+  Checkpointer to surface per ``storage.on_async_error``; the scratch copy stays
+  for the next drain or the epilog's stage-out.
+* Discovery looks at both tiers, newest valid first; on equal steps the fast
+  tier comes first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import CheckpointCorrupt, NoSpace, storage_error
+from .fsutil import fsync_dir, write_file_durably
+from .layout import step_dir
+from .manifest import MANIFEST
+from .retry import RetryPolicy, prune_for_space, retry_call
+from .transfer import copy_checkpoint
+from .verify import find_latest, verify_checkpoint
+
+if TYPE_CHECKING:
+    from . import RunDir
+
+__all__ = ["FAST_SUBDIR", "TIER_FILE", "Tiers", "fast_dir", "read_dirs", "usable_scratch"]
+
+log = logging.getLogger("slurm_ckpt")
+
+FAST_SUBDIR = "ckpt"
+TIER_FILE = "TIER.json"
+
+
+def fast_dir(scratch: Path) -> Path:
+    """The fast tier's run dir inside a job's scratch dir."""
+    return scratch / FAST_SUBDIR
+
+
+def usable_scratch(scratch: Path | None) -> Path | None:
+    """``scratch`` if it is an existing directory this process can write, else None."""
+    if scratch is None or not scratch.is_dir() or not os.access(scratch, os.W_OK | os.X_OK):
+        return None
+    return scratch
+
+
+def read_dirs(durable: Path, scratch: Path | None) -> list[Path]:
+    """Run dirs that discovery searches, fastest first (for readers such as the CLI).
+
+    The fast tier is included when it exists, even if this process cannot write it.
+    """
+    if scratch is not None:
+        fast = fast_dir(scratch)
+        if fast.is_dir() and not _same_dir(fast, durable):
+            return [fast, durable]
+    return [durable]
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def write_tier_file(fast: Path, durable: Path) -> None:
+    """Write ``TIER.json`` atomically: the epilog must never read half of it."""
+    tmp = fast / f".{TIER_FILE}.{os.getpid()}.tmp"
+    data = json.dumps({"durable": str(durable.absolute())}).encode()
+    try:
+        tmp.unlink(missing_ok=True)
+        write_file_durably(tmp, data)
+        os.rename(tmp, fast / TIER_FILE)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise storage_error(e, "cannot write the tier file", fast / TIER_FILE) from e
+    fsync_dir(fast)
+
+
+@dataclass(frozen=True)
+class _Item:
+    step: int
+    path: Path
+    at: float
+    """When it was committed to the fast tier (for the stage-out lag)."""
+
+
+class Tiers:
+    """The fast and the durable run dir of one writer, and the drain between them."""
+
+    def __init__(
+        self,
+        fast: RunDir,
+        durable: RunDir,
+        *,
+        keep: int,
+        policy: RetryPolicy | None = None,
+        on_lag: Callable[[float], None] | None = None,
+    ) -> None:
+        self.fast, self.durable, self.keep = fast, durable, keep
+        self._policy = policy or RetryPolicy()
+        self._on_lag = on_lag
+        self._cv = threading.Condition()
+        self._pending: _Item | None = None
+        self._draining: _Item | None = None
+        self._newest: _Item | None = None
+        """The newest checkpoint on the fast tier that is not durable yet."""
+        self._durable: dict[int, Path] = {}
+        self._undurable_since: list[float] = []
+        """Commit times of checkpoints newer than the newest durable one (stage-out lag)."""
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"Tiers(fast={str(self.fast.path)!r}, durable={str(self.durable.path)!r})"
+
+    @property
+    def search_dirs(self) -> list[Path]:
+        return [self.fast.path, self.durable.path]
+
+    def activate(self) -> None:
+        """Create the fast run dir, write ``TIER.json``, and queue any scratch
+        checkpoint newer than the durable tier (left by an earlier run on this node)."""
+        self.fast.ensure()
+        write_tier_file(self.fast.path, self.durable.path)
+        try:
+            fast = find_latest([self.fast.path], full=False)
+            durable = find_latest([self.durable.path], full=False)
+        except OSError as e:
+            log.warning("cannot compare tiers %s: %s", self, e)
+            return
+        if fast is not None and (durable is None or fast.step > durable.step):
+            log.info(
+                "checkpoint %d is only on scratch; copying it to %s", fast.step, self.durable.path
+            )
+            self.submit(fast.step, fast.path)
+
+    def submit(self, step: int, path: Path) -> None:
+        """Queue a checkpoint just committed to the fast tier for the durable tier."""
+        item = _Item(step, path, time.time())
+        with self._cv:
+            self._durable.pop(step, None)
+            self._pending = self._newest = item
+            self._undurable_since.append(item.at)
+            self._report_lag()
+            if self._thread is None:
+                # Not a daemon: the interpreter waits for a copy in progress at exit.
+                self._thread = threading.Thread(target=self._run, name="slurm-ckpt-drain")
+                self._thread.start()
+
+    def protected(self) -> set[Path]:
+        """Fast-tier checkpoints that retention must keep: not durable yet, or being copied."""
+        with self._cv:
+            return {i.path for i in (self._pending, self._draining, self._newest) if i is not None}
+
+    def is_durable(self, step: int) -> bool:
+        """True once checkpoint ``step`` is committed on the durable tier."""
+        with self._cv:
+            if step in self._durable:
+                # Still there? Retention on the durable tier may have removed it since.
+                return (self._durable[step] / MANIFEST).is_file()
+            if any(
+                i is not None and i.step == step
+                for i in (self._pending, self._draining, self._newest)
+            ):
+                return False
+        try:
+            verify_checkpoint(step_dir(self.durable.path, step), full=False)
+        except (CheckpointCorrupt, OSError):
+            return False
+        return True
+
+    @property
+    def durable_step(self) -> int | None:
+        """The newest step this writer has made durable, or None."""
+        with self._cv:
+            return max(self._durable, default=None)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until the copying is done; True if the newest checkpoint is durable.
+
+        False when ``timeout`` (seconds) passed first or the copy failed; the
+        checkpoint is then still on scratch, where the epilog stages it out.
+        """
+        with self._cv:
+            idle = self._cv.wait_for(lambda: self._thread is None, timeout)
+            return idle and self._newest is None
+
+    def take_error(self) -> BaseException | None:
+        """The last copy error, once; None if there was none since the last call."""
+        with self._cv:
+            err, self._error = self._error, None
+            return err
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Drain, then release both run dirs' locks. Returns what :meth:`drain` does."""
+        try:
+            return self.drain(timeout)
+        finally:
+            self.fast.unlock()
+            self.durable.unlock()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                item = self._draining = self._pending
+                self._pending = None
+                if item is None:
+                    self._thread = None
+                    self._cv.notify_all()
+                    return
+            try:
+                dst = self._copy(item.path)
+            except Exception as e:  # surfaced by the Checkpointer per storage.on_async_error
+                log.error("copying checkpoint %d to the durable tier %s failed: %s; it stays on "
+                          "scratch (%s) for the next save or the epilog", item.step,
+                          self.durable.path, e, item.path)  # fmt: skip
+                with self._cv:
+                    self._error = e
+            else:
+                log.info("checkpoint %d is durable: %s", item.step, dst)
+                with self._cv:
+                    self._durable[item.step] = dst
+                    self._undurable_since = [t for t in self._undurable_since if t > item.at]
+                    if self._newest == item:
+                        self._newest = None
+            finally:
+                with self._cv:
+                    self._draining = None
+                    self._report_lag()
+                    self._cv.notify_all()
+
+    def _copy(self, src: Path) -> Path:
+        what = f"copying {src} to {self.durable.path}"
+        self.durable.lock()
+        try:
+            dst = retry_call(lambda: copy_checkpoint(src, self.durable.path), self._policy, what)
+        except NoSpace as e:
+            removed = prune_for_space(self.durable.path, self.keep)
+            if not removed:
+                raise
+            log.warning("%s: %s; pruned %s and retrying once", what, e.strerror,
+                        ", ".join(p.name for p in removed))  # fmt: skip
+            dst = retry_call(lambda: copy_checkpoint(src, self.durable.path), self._policy, what)
+        self.durable.retain(self.keep, protect=[dst])
+        return dst
+
+    def _report_lag(self) -> None:
+        # Called with the lock held.
+        if self._on_lag is not None:
+            since = self._undurable_since
+            self._on_lag(time.time() - since[0] if since else 0.0)
