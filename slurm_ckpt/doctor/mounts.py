@@ -31,6 +31,26 @@ def lustre_stripe(path: str, run: Runner = _run) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def lustre_full_osts(mount_point: str, run: Runner = _run, limit: int = 95) -> list[str] | None:
+    """OSTs at or above ``limit`` % used, from ``lfs df``; None without ``lfs``.
+
+    A file striped over a full OST gets ENOSPC while ``df`` of the whole
+    filesystem still shows free space.
+    """
+    if shutil.which("lfs") is None:
+        return None
+    try:
+        out = run(["lfs", "df", mount_point])
+    except (OSError, subprocess.SubprocessError):
+        return None
+    full = []
+    for line in out.splitlines():
+        m = re.match(r"^(\S+-OST\w+)\S*\s+\d+\s+\d+\s+\d+\s+(\d+)%", line)
+        if m and int(m.group(2)) >= limit:
+            full.append(f"{m.group(1)} {m.group(2)}%")
+    return full
+
+
 def check_mount(report: Report, ctx: Context, *, mountinfo: str = "/proc/self/mountinfo",
                 run: Runner = _run) -> Mount | None:  # fmt: skip
     m = mount_for(ctx.probe_dir, mountinfo)
@@ -97,6 +117,12 @@ def _lustre(report: Report, base: str, o: dict[str, str], data: dict[str, str], 
                    "mount Lustre with -o flock so the run dir lock works across nodes", **data)  # fmt: skip
     else:
         report.add("mount", Severity.OK, base + " (flock)", **data)
+    full = lustre_full_osts(data["mount_point"], run)
+    if full:
+        report.add("lustre", Severity.WARN, f"nearly full OSTs: {', '.join(full)}: files striped there "
+                   "fail with ENOSPC while df shows free space",
+                   "ask the admins to rebalance; stripe checkpoints wide (lfs setstripe -c -1)",
+                   full_osts=full)  # fmt: skip
     stripes = lustre_stripe(path, run)
     if stripes is None:
         report.add("lustre", Severity.INFO, "lfs not available: stripe count unknown",

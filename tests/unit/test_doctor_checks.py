@@ -154,15 +154,26 @@ def test_lustre_without_flock_and_single_stripe(tmp_path: Path, monkeypatch: pyt
     bindir = tmp_path / "bin"
     bindir.mkdir()
     lfs = bindir / "lfs"
-    lfs.write_text("#!/bin/sh\necho 'stripe_count:  1 stripe_size:   1048576 pattern:       raid0 stripe_offset: -1'\n")
+    lfs.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = df ]; then cat <<EOF\n'
+        "UUID                   1K-blocks        Used   Available Use% Mounted on\n"
+        "scratch-MDT0000_UUID     4000000       40000     3960000   1% /scratch[MDT:0]\n"
+        "scratch-OST0000_UUID  1000000000   400000000   600000000  40% /scratch[OST:0]\n"
+        "scratch-OST0001_UUID  1000000000   980000000    20000000  98% /scratch[OST:1]\n"
+        "\nfilesystem_summary:   2000000000  1380000000   620000000  69% /scratch\n"
+        "EOF\nelse\n"
+        "echo 'stripe_count:  1 stripe_size:   1048576 pattern:       raid0 stripe_offset: -1'\nfi\n"
+    )
     lfs.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
     mi = _mountinfo(tmp_path, f"90 22 0:60 / {tmp_path} rw - lustre 10.0.0.5@o2ib:/scratch rw,localflock")
     r = Report("x")
     check_mount(r, ctx_for(tmp_path, ckpt_size=80 * 10**9), mountinfo=mi)
     assert by(r, "mount")[0][0] == Severity.WARN and "localflock" in by(r, "mount")[0][1]
-    sev, msg, fix = by(r, "lustre")[0]
-    assert sev == Severity.WARN and "stripe count 1" in msg and "lfs setstripe -c" in fix
+    (sev, msg, _), (sev2, msg2, fix2) = by(r, "lustre")
+    assert sev == Severity.WARN and "scratch-OST0001_UUID 98%" in msg and "OST0000" not in msg
+    assert sev2 == Severity.WARN and "stripe count 1" in msg2 and "lfs setstripe -c" in fix2
 
 
 def test_cgroup_v2_io_max_tightest_ancestor_wins(tmp_path: Path) -> None:
