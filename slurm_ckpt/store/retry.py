@@ -18,7 +18,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -188,14 +188,15 @@ def retry_call(
             sleep(wait)
 
 
-def prune_for_space(run_dir: Path, keep: int) -> list[Path]:
+def prune_for_space(run_dir: Path, keep: int, *, protect: Collection[Path] = ()) -> list[Path]:
     """Make room for one more checkpoint, the way retention would after it commits.
 
     Keeps ``keep - 1`` valid checkpoints (at least one: the newest valid is
-    never deleted) and removes temp dirs of dead writers.
+    never deleted) plus ``protect`` (e.g. one a drain is copying), and removes
+    temp dirs of dead writers.
     """
     removed = remove_stale_tmp(run_dir)
-    removed += apply_retention(run_dir, max(1, keep - 1))
+    removed += apply_retention(run_dir, max(1, keep - 1), protect=protect)
     return removed
 
 
@@ -206,6 +207,7 @@ def commit_resilient(
     *,
     keep: int,
     policies: Iterable[RetryPolicy] | None = None,
+    protect: Callable[[], Collection[Path]] = tuple,
     sleep: Callable[[float], None] = time.sleep,
     **meta: Any,
 ) -> Path:
@@ -215,7 +217,7 @@ def commit_resilient(
     older checkpoints are pruned per retention and the commit is retried once.
     When a dir still fails with a storage error, the next dir (the other tier)
     is tried. The error of the first dir is raised if every dir fails, with the
-    others' errors logged.
+    others' errors logged. ``protect()`` names checkpoints pruning must spare.
     """
     if not run_dirs:
         raise ValueError("commit_resilient needs at least one run dir")
@@ -223,7 +225,7 @@ def commit_resilient(
     first: StorageError | None = None
     for i, (rd, pol) in enumerate(zip(run_dirs, pols, strict=True)):
         try:
-            return _commit_one(rd, step, write, keep, pol, sleep, meta)
+            return _commit_one(rd, step, write, keep, pol, protect, sleep, meta)
         except StorageError as e:
             first = first or e
             if i + 1 < len(run_dirs):
@@ -238,13 +240,13 @@ def commit_resilient(
 
 def _commit_one(
     rd: Target, step: int, write: WriteFn, keep: int, pol: RetryPolicy,
-    sleep: Callable[[float], None], meta: dict[str, Any],
+    protect: Callable[[], Collection[Path]], sleep: Callable[[float], None], meta: dict[str, Any],
 ) -> Path:  # fmt: skip
     what = f"saving checkpoint {step} in {rd.path}"
     try:
         return retry_call(lambda: rd.commit(step, write, **meta), pol, what, path=rd.path, sleep=sleep)
     except NoSpace as e:
-        removed = prune_for_space(rd.path, keep)
+        removed = prune_for_space(rd.path, keep, protect=protect())
         if not removed:
             raise
         log.warning("%s: %s; pruned %s and retrying once", what, os.strerror(e.errno or 0),

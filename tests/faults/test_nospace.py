@@ -96,3 +96,25 @@ def test_falls_back_to_the_other_tier(make_tmpfs: Callable[..., Path], tmp_path:
     assert path == tmp_path / "other" / "step-000000009"
     verify_checkpoint(path, full=True)
     assert steps(full / "run") == [] and [n for n in (full / "run").iterdir() if n.name.startswith(".tmp")] == []
+
+
+def test_pruning_spares_protected_checkpoints(make_tmpfs: Callable[..., Path], tmp_path: Path) -> None:
+    """A checkpoint a drain is still copying is never pruned for room: the save goes
+    to the other tier instead."""
+    from slurm_ckpt.store.codec import encode_state
+
+    d = make_tmpfs("1000k")
+    fast, other = RunDir(d / "run"), RunDir(tmp_path / "other")
+    try:
+        for s in (1, 2, 3):
+            enc = encode_state(state(s, KIB))
+            commit_resilient([fast], s, lambda tmp, e=enc: write_state(tmp, e), keep=3, nbytes=enc.nbytes)
+        enc = encode_state(state(4, KIB))
+        copying = d / "run" / "step-000000001"
+        path = commit_resilient([fast, other], 4, lambda tmp: write_state(tmp, enc), keep=3,
+                                protect=lambda: [copying], nbytes=enc.nbytes)  # fmt: skip
+    finally:
+        fast.unlock()
+        other.unlock()
+    assert path == tmp_path / "other" / "step-000000004"
+    assert steps(d / "run") == [1, 2, 3]
