@@ -161,11 +161,16 @@ class Checkpointer:
         """After a commit: queue the copy to the durable tier, retention, the report."""
         self.last_committed = path
         tiers = self.tiers
-        if tiers is not None and path.parent == tiers.fast.path:
-            tiers.submit(step, path)
-            tiers.fast.retain(self.keep, protect=[path, *tiers.protected()])
-        else:
-            self.run_dir.retain(self.keep, protect=[path])
+        try:
+            if tiers is not None and path.parent == tiers.fast.path:
+                tiers.submit(step, path)
+                tiers.fast.retain(self.keep, protect=[path, *tiers.protected()])
+            else:
+                self.run_dir.retain(self.keep, protect=[path])
+        except OSError as e:
+            # The checkpoint is committed: failing to delete old ones must not turn it
+            # into a failed save, nor keep the wrapper from hearing about it.
+            log.warning("checkpoint %d committed, but retention failed: %s", step, e)
         self.control.report_committed(step, str(path))
 
     @property
@@ -255,7 +260,8 @@ class Checkpointer:
             dirs: list[Any] = [self.run_dir] if self.tiers is None else [self.tiers.fast, self.run_dir]
             pols = [self._retry.setdefault(d.path, RetryPolicy.for_path(self.config.storage, d.path))
                     for d in dirs]  # fmt: skip
-            return commit_resilient(dirs, step, write, keep=self.keep, policies=pols,
+            protect = self.tiers.protected if self.tiers is not None else tuple
+            return commit_resilient(dirs, step, write, keep=self.keep, policies=pols, protect=protect,
                                     nbytes=nbytes, job_id=job_id())  # fmt: skip
 
     def _drain_inflight(self, *, policy: bool = True) -> None:
@@ -343,6 +349,8 @@ class Checkpointer:
             if self.tiers is not None:
                 self.tiers.close()
             self.run_dir.unlock()
+            # Done checkpointing: the series ends, so no alert fires for a finished job.
+            self.metrics.close(remove=True)
         self._surface_drain_error()
 
     def __enter__(self) -> Checkpointer:

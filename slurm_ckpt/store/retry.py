@@ -246,7 +246,7 @@ def _commit_one(
     try:
         return retry_call(lambda: rd.commit(step, write, **meta), pol, what, path=rd.path, sleep=sleep)
     except NoSpace as e:
-        removed = prune_for_space(rd.path, keep, protect=protect())
+        removed = prune_for_space(rd.path, keep, protect=[p for p in protect() if p.parent == rd.path])
         if not removed:
             raise
         log.warning("%s: %s; pruned %s and retrying once", what, os.strerror(e.errno or 0),

@@ -110,3 +110,21 @@ def test_parent_fsync_failure_after_rename(
         verify_checkpoint(p, full=True)
     loaded = ckpt.load_latest()
     check_state(loaded, ckpt.loaded_step or 0)
+
+
+def test_retention_failure_does_not_fail_a_committed_save(
+    faultfs: FaultFS, fault_dir: Path, make_ckpt: Callable[..., Checkpointer],
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    ckpt = make_ckpt(fault_dir, keep=1, retries=0)
+    ckpt.save(state(1), step=1)
+    # Retention removes step 1 by renaming it aside first: that rename fails.
+    with faultfs.faults({"op": "rename", "path": f"/{fault_dir.name}/step-*", "errno": "EIO"}):
+        path = ckpt.save(state(2), step=2)
+        assert faultfs.fired() == 1
+    assert path == fault_dir / "step-000000002"
+    assert any("checkpoint 2 committed, but retention failed" in r.getMessage() for r in caplog.records)
+    assert sorted(s for s, _ in list_steps(fault_dir)) == [1, 2]
+    check_state(ckpt.load_latest(), 2)
+    ckpt.save(state(3), step=3)  # the next retention catches up
+    assert [s for s, _ in list_steps(fault_dir)] == [3]
