@@ -12,14 +12,17 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.slurm.harness import Cluster, ClusterError
+from tests.slurm.harness import SETTINGS, Cluster, ClusterError
+from tests.slurm.wrapped import reference_digests
 
 _BASE_SETTINGS: dict[str, str] = {}
+# Another test run (or a cluster started by hand) holds the machine's cluster lock.
+_LOCK_TIMEOUT = float(SETTINGS.get("SLURM_CKPT_CLUSTER_LOCK_TIMEOUT", "500"))
 
 
 class _Slot:
@@ -41,7 +44,8 @@ class _Slot:
         self.close()
         cluster = Cluster(nodes=nodes, settings=dict(_BASE_SETTINGS))
         try:
-            cluster.up(owner=os.getpid())
+            # Below pytest-timeout (600 s), so a busy machine fails with the lock's message.
+            cluster.up(owner=os.getpid(), lock_timeout=_LOCK_TIMEOUT)
         except (ClusterError, OSError) as e:
             self.error = str(e)
             pytest.fail(f"the Slurm test cluster could not start:\n{e}")
@@ -103,10 +107,26 @@ def slurm_cluster3(_slurm_slot: _Slot) -> Iterator[Cluster]:
 @pytest.fixture
 def slurm_workdir(request: pytest.FixtureRequest, _slurm_slot: _Slot) -> Iterator[Path]:
     """A fresh directory for this test on the cluster's shared (durable) storage."""
-    root = Path(os.environ.get("SLURM_CKPT_CLUSTER_ROOT", "/tmp/slurm-ckpt-cluster"))
+    root = Cluster().root
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name)[:80]
     # Next to the cluster root, not inside it: it must survive a cluster restart.
     path = root.with_name(root.name + "-work") / name
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     yield path
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], list[str]]:
+    """``reference(trainer_args, world)``: digests of an uninterrupted run, computed once per args."""
+    cache: dict[tuple[str, int], list[str]] = {}
+
+    def get(trainer_args: str, world: int = 1) -> list[str]:
+        key = (trainer_args, world)
+        if key not in cache:
+            cache[key] = reference_digests(
+                tmp_path_factory.mktemp("reference"), trainer_args, world
+            )
+        return cache[key]
+
+    return get

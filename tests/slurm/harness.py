@@ -25,6 +25,7 @@ __all__ = [
     "FINISHED",
     "HERE",
     "REPO",
+    "SETTINGS",
     "VENV_BIN",
     "Cluster",
     "ClusterError",
@@ -41,6 +42,9 @@ FINISHED = frozenset({
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
     "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
 })  # fmt: skip
+# The harness's own settings (root, lock, ports, subnet), read once at import:
+# the suite's autouse fixture clears SLURM_CKPT_* from os.environ in each test.
+SETTINGS = {k: v for k, v in os.environ.items() if k.startswith("SLURM_CKPT_CLUSTER_")}
 _KEY = re.compile(r"(?:^|\s)([A-Z][A-Za-z0-9_:/]*)=")
 
 T = TypeVar("T")
@@ -78,7 +82,7 @@ class Cluster:
     """A running (or about to run) test cluster rooted at ``root``."""
 
     root: Path = field(default_factory=lambda: Path(
-        os.environ.get("SLURM_CKPT_CLUSTER_ROOT", "/tmp/slurm-ckpt-cluster")))  # fmt: skip
+        SETTINGS.get("SLURM_CKPT_CLUSTER_ROOT", "/tmp/slurm-ckpt-cluster")))  # fmt: skip
     nodes: int = 1
     settings: dict[str, str] = field(default_factory=dict)
     """Per-test slurm.conf settings now in effect (extra.conf)."""
@@ -107,17 +111,18 @@ class Cluster:
         """The address a node's slurmd (and its jobs) listen on; MASTER_ADDR for rank 0."""
         if self.nodes == 1:
             return "127.0.0.1"
-        return f"{os.environ.get('SLURM_CKPT_CLUSTER_NET', '10.77.0')}.{10 + int(node[4:])}"
+        return f"{SETTINGS.get('SLURM_CKPT_CLUSTER_NET', '10.77.0')}.{10 + int(node[4:])}"
 
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        env.update(SETTINGS)
         env.update(SLURM_CONF=str(self.conf), SLURM_CKPT_CLUSTER_ROOT=str(self.root))
         env.update(extra or {})
         return env
 
     # -- lifecycle (all through cluster.sh) ---------------------------------
-    def _script(self, *args: str, timeout: float) -> None:
-        env = self.env()
+    def _script(self, *args: str, timeout: float, env: Mapping[str, str] | None = None) -> None:
+        env = self.env(env)
         proc = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True,
                               text=True, timeout=timeout, check=False)  # fmt: skip
         if proc.returncode != 0:
@@ -125,13 +130,14 @@ class Cluster:
                                f"{proc.stdout}{proc.stderr}")  # fmt: skip
 
     def up(self, *, owner: int | None = None, lock_timeout: float = 1800) -> None:
-        """Start the cluster (waits for the machine-wide lock first)."""
+        """Start the cluster; first wait up to ``lock_timeout`` s for the machine-wide lock."""
         args = ["up", "--nodes", str(self.nodes)]
         if owner:
             args += ["--owner", str(owner)]
         for key, value in self.settings.items():
             args += ["--set", f"{key}={value}"]
-        self._script(*args, timeout=lock_timeout + 180)
+        self._script(*args, timeout=lock_timeout + 180,
+                     env={"SLURM_CKPT_CLUSTER_LOCK_TIMEOUT": str(int(lock_timeout))})  # fmt: skip
 
     def down(self) -> None:
         self._script("down", timeout=180)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.harness import SCRIPT, VENV_BIN, Cluster
+from tests.slurm.harness import SCRIPT, SETTINGS, VENV_BIN, Cluster
 
 pytestmark = pytest.mark.slurm
 
@@ -148,7 +148,7 @@ def test_down_removes_namespaces_processes_and_lock(
     links = subprocess.run(["ip", "link"], capture_output=True, text=True, check=True).stdout
     assert "sckbr0" not in links and "sckv" not in links
     assert not slurm_cluster3.root.exists()
-    lock = os.environ.get("SLURM_CKPT_CLUSTER_LOCK", "/run/lock/slurm-ckpt-cluster.lock")
+    lock = SETTINGS.get("SLURM_CKPT_CLUSTER_LOCK", "/run/lock/slurm-ckpt-cluster.lock")
     free = subprocess.run(["flock", "-n", lock, "true"], check=False)
     assert free.returncode == 0
     # The fixture's teardown finds the cluster gone and restarts it for the next test.
