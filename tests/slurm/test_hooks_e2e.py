@@ -1,0 +1,140 @@
+"""The node hooks under the real local Slurm: Prolog, Epilog and TaskProlog configured.
+
+One job gets its scratch and environment from the hooks, checkpoints to
+scratch only, is requeued; its epilog stages the newest checkpoint out while
+the test holds the durable run dir's lock, and the requeued job is shown
+not to start before that stage-out ends, even when asked to start at once;
+it then resumes from the staged copy. Afterwards its scratch and ledger entry
+are gone and the prolog's warning is in the job's output.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import filelock
+import pytest
+
+from tests.slurm.harness import REPO, Cluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.root]
+
+TRAINER = """\
+import json, os, sys, time
+from pathlib import Path
+from slurm_ckpt.store import RunDir, find_latest, load_state
+from slurm_ckpt.store.codec import encode_state
+from slurm_ckpt.store.writer import write_state
+
+durable = Path(sys.argv[1])
+scratch = os.environ.get("SLURM_CKPT_SCRATCH")
+run = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+print(f"run {run} start {time.time():.3f} scratch {scratch}", flush=True)
+fast = Path(scratch) / "ckpt"
+cand = find_latest([fast, durable])
+if cand is not None:
+    state = load_state(cand.path, cand.manifest)
+    print(f"resumed step {state['step']} from {cand.path}", flush=True)
+if run == 0:
+    # Fast tier only, with the tier file the Checkpointer writes: nothing drains,
+    # so the epilog's stage-out is the only way step 3 reaches durable storage.
+    fast.mkdir(parents=True)
+    (fast / "TIER.json").write_text(json.dumps({"durable": str(durable)}))
+    rd = RunDir(fast)
+    for step in (1, 2, 3):
+        enc = encode_state({"step": step, "blob": os.urandom(1 << 20)})
+        rd.commit(step, lambda tmp: write_state(tmp, enc), nbytes=enc.nbytes)
+    rd.unlock()
+    print("saved 3", flush=True)
+    time.sleep(600)  # until the test requeues the job
+print("done", flush=True)
+"""
+
+
+def install_hooks(d: Path, base: Path, root: Path) -> None:
+    """The README's install step, into ``d``: shims, hooks.env, config."""
+    d.mkdir()
+    for shim in ("prolog/slurm-ckpt-prolog", "epilog/slurm-ckpt-epilog", "prolog/slurm-ckpt-taskprolog"):
+        shutil.copy2(REPO / shim, d)
+    (d / "config.yaml").write_text(
+        f"scratch:\n  base: {base}\n  default_size: 16M\n  min_size: 1M\n  headroom: 64M\n"
+        f"  prolog_timeout: 15\n  epilog_timeout: 40\nstorage:\n  root: {root}\n"
+    )
+    (d / "hooks.env").write_text(
+        f"SLURM_CKPT_BIN={Path(sys.executable).with_name('slurm-ckpt')}\n"
+        f"SLURM_CKPT_CONFIG={d / 'config.yaml'}\nSLURM_CKPT_HOOK_LOG={d / 'hooks.log'}\n"
+        "SLURM_CKPT_PROLOG_WATCHDOG=20\nSLURM_CKPT_EPILOG_WATCHDOG=50\n"
+    )
+
+
+def log_time(line: str) -> float:
+    """Epoch seconds of a hook log line (``2025-01-01 10:00:00,123 ...``, local time)."""
+    stamp = " ".join(line.split()[:2])
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def test_scratch_stage_out_and_resume_under_slurm(slurm_cluster: Cluster, slurm_workdir: Path) -> None:
+    node = slurm_cluster.node_names[0]
+    base = slurm_cluster.scratch / "slurm-ckpt"
+    durable = slurm_workdir / "durable"
+    hooks = slurm_workdir / "hooks"
+    install_hooks(hooks, base, slurm_workdir / "root")
+    (slurm_workdir / "trainer.py").write_text(TRAINER)
+    slurm_cluster.configure({"Prolog": hooks / "slurm-ckpt-prolog", "Epilog": hooks / "slurm-ckpt-epilog",
+                             "TaskProlog": hooks / "slurm-ckpt-taskprolog", "PrologFlags": "Alloc",
+                             "PrologEpilogTimeout": 60})  # fmt: skip
+    job = slurm_cluster.sbatch(f"srun {sys.executable} trainer.py {durable}\n", "--requeue",
+                               "--comment=ckpt_scratch=999G ckpt_size=1M", workdir=slurm_workdir,
+                               name="hooks")  # fmt: skip
+    job.wait_output(r"saved 3", timeout=90)
+    scratch = f"{base}/job_{job.id}"
+    out = job.output()
+    assert "run 0 start" in out and f"scratch {scratch}" in out
+    # The prolog's over-reservation warning reached the job's output via the TaskProlog.
+    assert "slurm-ckpt: warning: this job asked for 999.0GiB of node-local scratch" in out
+    on_node = slurm_cluster.on_node(node, scratch)
+    assert (on_node / "ckpt" / "step-000000003").is_dir()
+    ledger = slurm_cluster.on_node(node, base / ".slurm-ckpt" / "ledger.json")
+    assert job.id in json.loads(ledger.read_text())
+    assert not durable.exists()  # only on scratch
+
+    # Hold the durable run dir's lock: the stage-out (as the job's user) waits on it.
+    durable.mkdir()
+    lock = filelock.FileLock(str(durable / ".lock"))
+    lock.acquire()
+    try:
+        slurm_cluster.run("scontrol", "requeue", job.id)
+        job.wait_for("the requeue to end the run", lambda r: r.get("JobState") != "RUNNING", 30)
+        # For 5 s, keep asking Slurm to start the job now: it must not, its epilog is running.
+        states = set()
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            slurm_cluster.run("scontrol", "update", f"JobId={job.id}", "StartTime=now", check=False)
+            states.add(job.info().get("JobState", ""))
+            assert job.output().count("run 1 start") == 0
+        assert "RUNNING" not in states
+        assert not list(durable.glob("step-*"))
+    finally:
+        lock.release()
+    job.skip_requeue_wait()
+    job.wait_output(r"done", timeout=90)
+    job.wait_state("COMPLETED", timeout=60)
+    out = job.output()
+    assert f"resumed step 3 from {durable}/step-000000003" in out
+
+    log = (hooks / "hooks.log").read_text().splitlines()
+    staged = next(line for line in log if f"job {job.id}: INFO: stage-out staged" in line)
+    run1 = float(out.split("run 1 start ")[1].split()[0])
+    assert log_time(staged) < run1, "the requeued job started before its stage-out ended"
+    # After the final epilog: no scratch, no reservation.
+    job.wait_for("the last epilog", lambda r: sum(f"job {job.id}: INFO: epilog done" in x for x in
+                 (hooks / "hooks.log").read_text().splitlines()) >= 2, 60)  # fmt: skip
+    assert not on_node.exists()
+    assert job.id not in json.loads(ledger.read_text())
+    print(f"\nstates seen while the epilog held the job: {sorted(states)}; "
+          f"stage-out ended {run1 - log_time(staged):.1f}s before the requeued run started")
