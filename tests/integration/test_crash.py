@@ -8,7 +8,12 @@ verification) against what was saved at that step. Kills land before the first
 commit, mid-write, between fsyncs and renames, in a same-step replacement
 (RENAME_EXCHANGE) and in retention's deletes. The writer keeps a single
 checkpoint (keep=1), so retention deleting anything before the new checkpoint
-is committed would show up as a lost commit.
+is committed would show up as a lost commit. Every checkpoint left in every
+tier must verify and hold what was saved at its step.
+
+Modes: ``sync`` saves, ``async`` (kills during the background write), and
+``tiers`` (saves to scratch while a thread copies to the run dir; kills land
+in the copy too).
 
 SIGKILL tests atomicity of what reaches the filesystem; a power cut (lost page
 cache) is beyond what a test can do here, which is why the commit protocol
@@ -31,14 +36,17 @@ from typing import Any
 
 import pytest
 
-SYNC_TRIALS = 150
-ASYNC_TRIALS = 100
+SYNC_TRIALS = 100
+ASYNC_TRIALS = 60
+TIERS_TRIALS = 40
 MAX_DELAY = 0.05
-"""Seconds after the child is ready: 0 to ~8 saves' worth (a 2 MiB save takes ~6 ms here)."""
+"""Initial bound of the kill delay after the child is ready, in seconds. It adapts
+(see ``drive``) to a few saves' worth, since a save takes 5 ms on an idle
+machine and ten times that on a loaded CI runner."""
 EARLY = 0.15
 """Share of trials killed without waiting for the child to be ready: before any commit."""
 
-N = 1 << 19
+N = 1 << 18
 
 
 def make_state(step: int, base: Any) -> dict[str, Any]:
@@ -80,7 +88,7 @@ def _child(run: Path, start: int, mode: str, channel: Path, base: Any, ready: in
     os.write(ready, b"r")
     step = start
     while True:
-        if mode == "sync":
+        if mode in ("sync", "tiers"):
             ck.save(make_state(step, base), step=step)
         else:
             ck.save_async(make_state(step, base), step=step)  # waits for the previous one
@@ -104,7 +112,7 @@ def drive(run: Path, trials: int, mode: str, seed: int) -> dict[str, Any]:
     import torch
 
     from slurm_ckpt import Checkpointer
-    from slurm_ckpt.store import Skipped, find_latest, load_state
+    from slurm_ckpt.store import Skipped, iter_valid, load_state
 
     torch.set_num_threads(1)  # no OpenMP pool in a process that forks
     base = np.arange(N, dtype=np.float32)
@@ -123,7 +131,13 @@ def drive(run: Path, trials: int, mode: str, seed: int) -> dict[str, Any]:
         "max_step": -1,
         "problems": [],
     }
-    next_start, prev_tmp = 0, set[str]()
+    dirs = [run]
+    if mode == "tiers":  # scratch first; a background thread copies to the run dir
+        scratch = run.parent / f"scratch-{mode}"
+        scratch.mkdir(exist_ok=True)
+        os.environ["SLURM_CKPT_SCRATCH"] = str(scratch)
+        dirs = [scratch / "ckpt", run]
+    next_start, prev_tmp, max_delay = 0, set[str](), MAX_DELAY
     for trial in range(trials):
         channel.unlink(missing_ok=True)
         resave = next_start > 0 and rng.random() < 0.3
@@ -138,14 +152,15 @@ def drive(run: Path, trials: int, mode: str, seed: int) -> dict[str, Any]:
             finally:
                 os._exit(1)
         os.close(ready_w)
-        if rng.random() < EARLY:
+        early = rng.random() < EARLY
+        if early:
             delay = rng.uniform(0, 0.01)
         else:
             # Wait for the child to be ready (timing varies with machine load), so
             # that the random part below covers the saves themselves.
             if not select.select([ready_r], [], [], 60)[0]:
                 raise RuntimeError(f"trial {trial}: child {pid} not ready after 60 s")
-            delay = rng.uniform(0, MAX_DELAY)
+            delay = rng.uniform(0, max_delay)
         # The random kill moment; this is the fault, not a synchronisation.
         time.sleep(delay)
         os.kill(pid, signal.SIGKILL)
@@ -154,7 +169,9 @@ def drive(run: Path, trials: int, mode: str, seed: int) -> dict[str, Any]:
         stats["trials"] += 1
         committed = _committed(channel)
         skipped: list[Skipped] = []
-        cand = find_latest([run], full=True, skipped=skipped)
+        # Every checkpoint in every tier must verify, not just the one resume picks.
+        valid = list(iter_valid(dirs, full=True, skipped=skipped))
+        cand = valid[0] if valid else None
         if skipped:
             stats["failed_verify"] += len(skipped)
             stats["problems"].append(
@@ -167,22 +184,25 @@ def drive(run: Path, trials: int, mode: str, seed: int) -> dict[str, Any]:
             )
         if not committed:
             stats["killed_before_first_commit"] += 1
+        if not early:  # aim at 0 to ~6 commits per trial, whatever the machine's speed
+            max_delay *= 1.2 if not committed else 0.9 if len(committed) > 6 else 1.0
+        for c in valid:
+            if not same_state(load_state(c.path, c.manifest), c.step, base):
+                stats["content_mismatch"] += 1
+                stats["problems"].append(f"trial {trial}: {c.path} content differs")
         if cand is not None:
             stats["resumes"] += 1
-            got = load_state(cand.path, cand.manifest)
-            if not same_state(got, cand.step, base):
-                stats["content_mismatch"] += 1
-                stats["problems"].append(f"trial {trial}: step {cand.step} content differs")
             next_start = cand.step + 1
             stats["max_step"] = max(stats["max_step"], cand.step)
-        now_tmp = _tmp_dirs(run)
+        now_tmp = _tmp_dirs(dirs[0])  # the tier the child commits to before it reports
         if committed and prev_tmp & now_tmp:
             stats["stale_tmp_survived_a_save"] += 1
             stats["problems"].append(f"trial {trial}: {sorted(prev_tmp & now_tmp)} survived")
         prev_tmp = now_tmp
     with Checkpointer(run, keep=1) as ck:  # one clean save at the end clears every leftover
         ck.save(make_state(next_start, base), step=next_start)
-    stats["tmp_left_after_final_save"] = sorted(_tmp_dirs(run))
+    stats["tmp_left_after_final_save"] = sorted(n for d in dirs for n in _tmp_dirs(d))
+    stats["kill_delay_bound_ms"] = round(max_delay * 1000, 1)
     return stats
 
 
@@ -216,13 +236,16 @@ def _report(stats: dict[str, Any]) -> str:
         "lost_commits",
         "stale_tmp_survived_a_save",
         "tmp_left_after_final_save",
+        "kill_delay_bound_ms",
         "seed",
     ]
     return "\n".join(f"{k:28} {stats[k]}" for k in keys)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("mode", "trials"), [("sync", SYNC_TRIALS), ("async", ASYNC_TRIALS)])
+@pytest.mark.parametrize(
+    ("mode", "trials"), [("sync", SYNC_TRIALS), ("async", ASYNC_TRIALS), ("tiers", TIERS_TRIALS)]
+)
 def test_kill9_never_yields_a_bad_checkpoint(
     tmp_path: Path, mode: str, trials: int, figures: Callable[[str, str], Path]
 ) -> None:
