@@ -22,6 +22,7 @@ fsyncs anyway.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
@@ -95,6 +96,14 @@ def _child(run: Path, start: int, mode: str, channel: Path, base: Any, ready: in
         step += 1
 
 
+def _die_with_parent() -> None:
+    """A child must not outlive a driver killed by the test's timeout."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the driver died before prctl took effect
+        os._exit(1)
+
+
 def _committed(channel: Path) -> list[int]:
     try:
         lines = channel.read_text().split("\n")[:-1]  # a kill can cut the last line
@@ -147,6 +156,7 @@ def drive(run: Path, trials: int, mode: str, seed: int) -> dict[str, Any]:
         pid = os.fork()
         if pid == 0:
             try:
+                _die_with_parent()
                 os.close(ready_r)
                 _child(run, start, mode, channel, base, ready_w)
             finally:
@@ -159,6 +169,7 @@ def drive(run: Path, trials: int, mode: str, seed: int) -> dict[str, Any]:
             # Wait for the child to be ready (timing varies with machine load), so
             # that the random part below covers the saves themselves.
             if not select.select([ready_r], [], [], 60)[0]:
+                os.kill(pid, signal.SIGKILL)
                 raise RuntimeError(f"trial {trial}: child {pid} not ready after 60 s")
             delay = rng.uniform(0, max_delay)
         # The random kill moment; this is the fault, not a synchronisation.
