@@ -127,7 +127,8 @@ def read_log(path: Path) -> list[list[str]]:
         return []
 
 
-def run_round(args: argparse.Namespace, fs: Any, run: Path, log: Path, rng: random.Random) -> dict[str, Any]:
+def run_round(args: argparse.Namespace, fs: Any, run: Path, log: Path, rng: random.Random,
+              scratch: Path | None) -> dict[str, Any]:  # fmt: skip
     from slurm_ckpt import Checkpointer
     from slurm_ckpt.config import Config
     from slurm_ckpt.store import find_latest, verify_checkpoint
@@ -136,6 +137,10 @@ def run_round(args: argparse.Namespace, fs: Any, run: Path, log: Path, rng: rand
     fs.clear()
     log.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("SLURM_CKPT_SCRATCH", None)
+    if scratch is not None:
+        # Two tiers: saves commit to local scratch, and the drain to the faulty run dir suffers.
+        env["SLURM_CKPT_SCRATCH"] = str(scratch)
     child = subprocess.Popen([sys.executable, __file__, "--child", "--dir", str(run), "--log", str(log),
                               "--every", str(args.every), "--kib", str(args.kib)], env=env)  # fmt: skip
     kill_at = args.attempts + rng.randint(0, max(1, args.attempts // 20))
@@ -174,21 +179,23 @@ def run_round(args: argparse.Namespace, fs: Any, run: Path, log: Path, rng: rand
         switch([])
     lines = read_log(log)
     # What the requeued job does: take the newest checkpoint that verifies, and load it.
-    pick = find_latest([run], full=True)
+    dirs = [run] if scratch is None else [scratch / "ckpt", run]
+    pick = find_latest(dirs, full=True)
     bad_pick = 0
     resumed = 0
     if pick is not None:
         resumed = pick.step
-        with Checkpointer(run, config=Config()) as ck:
+        with Checkpointer(run, config=Config(), scratch=scratch or False) as ck:
             state = ck.load_latest()
             if state is None or ck.loaded_step != pick.step or not state_ok(state, pick.step, args.kib):
                 bad_pick = 1
     bad_committed = 0
-    for _, p in list_steps(run):
+    for _, p in [sp for d in dirs for sp in list_steps(d)]:
         try:
             verify_checkpoint(p, full=True)
         except Exception:
             bad_committed += 1
+    durable = find_latest([run], full=True)
     reached = max((int(ln[1]) for ln in lines if ln[0] == "S"), default=0)
     last_attempt = max((int(ln[1]) for ln in lines if ln[0] == "A"), default=0)
     failed = [ln for ln in lines if ln[0] == "F"]
@@ -203,6 +210,8 @@ def run_round(args: argparse.Namespace, fs: Any, run: Path, log: Path, rng: rand
         "resume_picks_bad": bad_pick,
         "committed_not_verifying": bad_committed,
         "resumed_step": resumed,
+        "resumed_from": "none" if pick is None else ("durable" if pick.path.parent == run else "scratch"),
+        "newest_durable_step": durable.step if durable else 0,
         "reached_step": reached,
         "steps_lost": reached - resumed,
         "steps_lost_ideal": reached - last_attempt,
@@ -221,6 +230,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--mounted", nargs=3, metavar=("ROOT", "MNT", "SOCK"),
                     help="use an already mounted tests.faultfs instead of mounting one")  # fmt: skip
+    ap.add_argument("--tiers", action="store_true",
+                    help="save to local scratch first and drain to the faulty run dir")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
@@ -247,7 +258,11 @@ def main() -> int:
         # The trainer's log stays off the faulty filesystem: it is the ground truth.
         logdir = Path(tempfile.mkdtemp(prefix="torture-log-"))
         stack.callback(shutil.rmtree, logdir, ignore_errors=True)
-        rounds = [run_round(args, fs, work / "run", logdir / "trainer.log", rng) for _ in range(args.rounds)]
+        scratch = logdir / "scratch" if args.tiers else None
+        if scratch is not None:
+            scratch.mkdir()
+        rounds = [run_round(args, fs, work / "run", logdir / "trainer.log", rng, scratch)
+                  for _ in range(args.rounds)]  # fmt: skip
     total: dict[str, Any] = {"seed": seed, "rounds": rounds}
     for key in ("faults_injected", "attempted", "committed", "failed", "child_resume_bad", "resume_picks_bad",
                 "committed_not_verifying", "steps_lost", "steps_lost_ideal"):  # fmt: skip
@@ -268,6 +283,9 @@ def main() -> int:
         print(f"  steps lost to the kills: {total['steps_lost']} (ideal {total['steps_lost_ideal']}: "
               f"the steps since each round's last save attempt); per round: "
               + ", ".join(f"{r['steps_lost']} vs {r['steps_lost_ideal']}" for r in rounds))
+        if args.tiers:
+            print("  resumed from: " + ", ".join(f"step {r['resumed_step']} on {r['resumed_from']} "
+                                                 f"(newest durable: {r['newest_durable_step']})" for r in rounds))
         for k, v in sorted(total["messages"].items()):
             print(f"  e.g. {k}: {v}")
     bad = total["resume_picks_bad"] + total["child_resume_bad"] + total["committed_not_verifying"]
