@@ -1,45 +1,90 @@
-"""A small, deterministic PyTorch training run that checkpoints and resumes.
+"""A small, deterministic PyTorch training run that checkpoints, stops on request and resumes.
 
-    SLURM_CKPT_DIR=runs/demo python examples/train.py --steps 200
+    # on a laptop: preempted after 3 s, restarted in place, resumed, finished
+    slurm-ckpt run --local --preempt-after 3 -- python examples/train.py --steps 300
+
+    # on Slurm (templates/job.sbatch): one task, or two ranks with gloo
+    srun slurm-ckpt run -- python examples/train.py --workers 2
+    srun -n 2 slurm-ckpt run -- python examples/train.py --dist
+
+The batch of step ``s`` is drawn from a generator seeded with ``s`` (and the
+rank), never from history, so a run that is stopped and resumed ends with
+bit-identical weights to an uninterrupted one; the last line prints their
+digest. DataLoader workers (``--workers``) produce those batches; they start
+with the library's signal handling in place, so Slurm's USR1/TERM to every
+process of the step neither kills nor steers them.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import random
+import os
+import sys
+import time
 
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 from slurm_ckpt import Checkpointer
 
 
-def make_data(n: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1234)
-    x = torch.randn(n, 16, generator=g)
-    y = (x @ torch.randn(16, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(n, generator=g)
-    return x, y
+class StepBatches(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Item ``i`` is the batch of step ``first + i``: a function of the step alone."""
+
+    def __init__(self, first: int, last: int, rank: int) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(512, 16, generator=g)
+        self.y = (self.x @ torch.randn(16, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(512, generator=g)
+        self.first, self.last, self.rank = first, last, rank
+
+    def __len__(self) -> int:
+        return max(0, self.last - self.first + 1)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed((self.first + i) * 1_000_003 + self.rank)
+        idx = torch.randint(0, len(self.x), (32,), generator=g)
+        return self.x[idx], self.y[idx]
 
 
 def digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
-    for t in model.state_dict().values():
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
-def main() -> None:
+def init_dist() -> tuple[int, int]:
+    """Join a gloo group from Slurm's (or torchrun's) environment."""
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")))
+    world = int(os.environ.get("SLURM_NTASKS", os.environ.get("WORLD_SIZE", "1")))
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = os.environ.get("MASTER_PORT", "29500")
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
+    return rank, world
+
+
+def say(msg: str) -> None:
+    print(f"train: {msg}", flush=True)
+
+
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--every", type=int, default=25, help="periodic checkpoint interval")
-    ap.add_argument("--stop-at", type=int, default=0, help="simulate a crash after this step")
+    ap.add_argument("--every", type=int, default=50, help="periodic checkpoint interval")
+    ap.add_argument("--workers", type=int, default=0, help="DataLoader num_workers")
+    ap.add_argument("--dist", action="store_true", help="torch.distributed (gloo) across Slurm tasks")
+    ap.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (demos)")
+    ap.add_argument("--crash-at", type=int, default=0, help="exit 3 after this step (a crash)")
     args = ap.parse_args()
 
-    torch.manual_seed(0)
-    random.seed(0)
+    rank, world = init_dist() if args.dist else (0, 1)
+    torch.manual_seed(0)  # the same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    x, y = make_data()
 
     ckpt = Checkpointer()
     start = 0
@@ -47,28 +92,45 @@ def main() -> None:
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
-        torch.set_rng_state(state["rng"])
-        start = state["step"]
-        print(f"resumed from step {start} ({ckpt.loaded_path})")
+        start = int(state["step"])
+        say(f"resumed from step {start} ({ckpt.loaded_path})")
+    say(f"start rank={rank} world={world} from={start} restarts={os.environ.get('SLURM_RESTART_COUNT', '0')}")
 
-    for step in range(start + 1, args.steps + 1):
-        idx = torch.randint(0, len(x), (32,))
-        loss = torch.nn.functional.mse_loss(model(x[idx]).squeeze(1), y[idx])
+    loader = DataLoader(StepBatches(start + 1, args.steps, rank), batch_size=None, num_workers=args.workers)
+    loss = torch.tensor(0.0)
+    step = start
+    for step, (bx, by) in enumerate(loader, start=start + 1):
+        loss = torch.nn.functional.mse_loss(model(bx).squeeze(1), by)
         opt.zero_grad()
         loss.backward()
+        if world > 1:
+            import torch.distributed as dist
+
+            for p in model.parameters():
+                assert p.grad is not None
+                dist.all_reduce(p.grad)
+                p.grad /= world
         opt.step()
-        state = {"model": model.state_dict(), "optim": opt.state_dict(),
-                 "rng": torch.get_rng_state(), "step": step}  # fmt: skip
-        if step % args.every == 0 or ckpt.preempted or step == args.steps:
-            ckpt.save(state, step=step)
-        if ckpt.preempted:
-            print(f"checkpointed step {step} on request; stopping")
-            return
-        if step == args.stop_at:
-            print(f"simulated crash after step {step} (loss {loss.item():.4f})")
-            return
-    print(f"finished {args.steps} steps, loss {loss.item():.4f}, weights {digest(model)}")
+        if args.step_time:
+            time.sleep(args.step_time)
+        if step == args.crash_at:
+            say(f"simulated crash after step {step}")
+            return 3
+
+        def snapshot(s: int = step) -> dict[str, object]:
+            return {"model": model.state_dict(), "optim": opt.state_dict(), "step": s}
+
+        # Saves every --every steps, and at once when the wrapper asked; True means stop.
+        if ckpt.maybe_save(snapshot, step, every=args.every):
+            say(f"checkpointed step {step} on request; stopping")
+            ckpt.close()
+            return 0
+    if step > start and step % args.every:
+        ckpt.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step=step)
+    ckpt.close()
+    say(f"finished {args.steps} steps, loss {loss.item():.4f}, weights {digest(model)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,11 +12,14 @@ then reports ``ready`` so the wrapper re-sends any request it held meanwhile.
 
 Children. Slurm signals every process of the step, DataLoader workers
 included. A forked child inherits our handler, so (1) the handler acts only in
-the process that installed it, and (2) a fork hook resets both signals to
-SIG_IGN in every forked child, so workers neither die nor act. Workers started
-with the ``spawn``/``forkserver`` methods exec a fresh interpreter, which resets
-a handled signal to its default action: use the default ``fork`` method (Linux)
-for DataLoader workers under Slurm.
+the process that installed it, and (2) a fork hook sets both signals to SIG_IGN
+*and blocks them* in every child forked with ``os.fork`` (DataLoader workers,
+``multiprocessing`` fork), so workers neither die nor act: torch's workers
+install their own SIGTERM handler, which only a blocked mask defeats. A forked
+child that execs inherits the blocked mask (``subprocess`` does not run the
+hook). Workers started with the ``spawn``/``forkserver`` methods exec a fresh
+interpreter, which resets a handled signal to its default action: use the
+default ``fork`` method (Linux) for DataLoader workers under Slurm.
 
 Channel. ``$SLURM_CKPT_CONTROL`` names the wrapper's Unix datagram socket;
 lines are ``ready <pid>`` and ``committed <step> <path>``. If it names anything
@@ -34,6 +37,7 @@ import signal
 import socket
 import stat
 import threading
+import weakref
 from types import FrameType
 
 from .errors import ConfigError
@@ -42,8 +46,8 @@ __all__ = ["Control", "parse_signal"]
 
 log = logging.getLogger("slurm_ckpt")
 
-# One flag per process: every Checkpointer in it sees the same request.
-_flag = threading.Event()
+# Every live Control in the process; a signal sets the flag of each.
+_live: weakref.WeakSet[Control] = weakref.WeakSet()
 _handled: set[signal.Signals] = set()
 _owner_pid = 0
 _fork_hook_registered = False
@@ -66,14 +70,23 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     # A forked child runs this copy until its fork hook resets it; it must not
     # act on a request meant for the trainer.
     if os.getpid() == _owner_pid:
-        _flag.set()
+        for c in list(_live):
+            c._event.set()
 
 
 def _after_fork_in_child() -> None:
+    if not _handled:
+        return
     for sig in _handled:
         with contextlib.suppress(ValueError, OSError):
             if signal.getsignal(sig) is _handler:
                 signal.signal(sig, signal.SIG_IGN)
+    # Blocked as well as ignored: a DataLoader worker installs its own C
+    # handler for SIGTERM (torch's _set_worker_signal_handlers), which would
+    # let Slurm's SIGTERM kill it. A blocked signal stays pending, whatever
+    # handler is installed later.
+    with contextlib.suppress(ValueError, OSError):
+        signal.pthread_sigmask(signal.SIG_BLOCK, _handled)
 
 
 class Control:
@@ -83,19 +96,21 @@ class Control:
         self.channel = os.environ.get("SLURM_CKPT_CONTROL", "") if channel is None else channel
         name = signal_name or os.environ.get("SLURM_CKPT_SIGNAL", "") or "USR1"
         self.signal = parse_signal(name)
+        self._event = threading.Event()
+        _live.add(self)
 
     @property
     def requested(self) -> bool:
-        """True once a checkpoint-and-stop was requested in this process."""
-        return _flag.is_set()
+        """True once a checkpoint-and-stop was requested since this Control was made."""
+        return self._event.is_set()
 
     def request(self) -> None:
         """Request a checkpoint-and-stop, as the signal would."""
-        _flag.set()
+        self._event.set()
 
     def clear(self) -> None:
         """Forget a request (a trainer that handled it and chose to go on)."""
-        _flag.clear()
+        self._event.clear()
 
     def install(self) -> None:
         """Install the flag handlers and tell the wrapper we are listening.
@@ -107,7 +122,7 @@ class Control:
         if threading.current_thread() is not threading.main_thread():
             return
         wanted = {self.signal, signal.SIGTERM}
-        if _owner_pid == os.getpid() and wanted <= _handled:
+        if _owner_pid == os.getpid() and all(signal.getsignal(s) is _handler for s in wanted):
             return
         _owner_pid = os.getpid()
         for sig in wanted:

@@ -165,7 +165,7 @@ def _decide(
     scanned = _newest_step(dirs)
     if scanned is not None and (new_step is None or scanned > new_step) and scanned != baseline:
         new_step = scanned  # a command that checkpoints without the library
-    crashed = res.status is not None and res.code != 0
+    crashed = not res.killed_at_deadline and res.status is not None and res.code != 0
     if crashed:
         return Decision(False, "crashed",
                         f"the command exited with code {res.code}; passing it through, no requeue")  # fmt: skip

@@ -121,7 +121,7 @@ class Teardown:
 def kill_tree(
     root: int,
     *,
-    grace: float = 2.0,
+    grace: float = 1.0,
     timeout: float = 10.0,
     on_exit: Callable[[int, int], None] | None = None,
 ) -> Teardown:
