@@ -30,8 +30,8 @@ __all__ = [
     "LockHeld",
     "NoCheckpoint",
     "NoSpace",
-    "SlurmCkptError",
     "ShardError",
+    "SlurmCkptError",
     "SlurmError",
     "StorageError",
     "UnsafeLoad",
@@ -85,6 +85,12 @@ _HINTS = {
     _errno.EIO: "the storage returned an I/O error: retry later and run `slurm-ckpt doctor`",
     _errno.ESTALE: "stale NFS file handle: the directory changed on the server; retry",
     _errno.EACCES: "permission denied: check the owner and mode of the run dir",
+    _errno.ETIMEDOUT: "the file server timed out (a 'soft' NFS mount gives up like this): check "
+    "the server and run `slurm-ckpt doctor`",
+    _errno.ENOTCONN: "the filesystem lost its server or daemon (network or FUSE mount): remount it; "
+    "checkpoints can go to scratch meanwhile",
+    _errno.ENOLCK: "the filesystem cannot lock files (NFSv3 without lockd, Lustre without -o flock): "
+    "run `slurm-ckpt doctor` on the run dir",
 }
 
 

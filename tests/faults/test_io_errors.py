@@ -37,6 +37,9 @@ FAULTS: list[tuple[str, dict[str, Any], int, str]] = [
     ("EIO on close (NFS reports write-back errors there)", {"op": "flush", "path": "*/state.json",
      "errno": "EIO"}, errno.EIO, "doctor"),
     ("ENOSPC on mkdir of the temp dir", {"op": "mkdir", "errno": "ENOSPC"}, errno.ENOSPC, "free space"),
+    ("ETIMEDOUT on a write (soft NFS)", {"op": "write", "errno": "ETIMEDOUT"}, errno.ETIMEDOUT, "soft"),
+    ("ENOTCONN on create (FUSE daemon gone)", {"op": "create", "errno": "ENOTCONN"}, errno.ENOTCONN,
+     "remount"),
 ]  # fmt: skip
 
 
