@@ -118,7 +118,8 @@ class ForkedWriter:
             _, self._status = os.waitpid(self.pid, 0)
 
     def __del__(self) -> None:
-        if getattr(self, "_status", 0) is None and getattr(self, "pid", 0) and os.getpid() != self.pid:
+        # A job dropped without close(): do not leave the child (or a zombie) behind.
+        if getattr(self, "_status", 0) is None and getattr(self, "pid", None) not in (None, os.getpid()):
             with contextlib.suppress(OSError):
                 self.kill()
 

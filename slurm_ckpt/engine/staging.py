@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ..store.codec import TensorEntry
@@ -24,7 +25,7 @@ from ..store.tensorfile import build_header
 from .buffers import ALIGN, aligned_buffer
 from .layout import FileImage, order_entries
 
-__all__ = ["Staging", "is_cuda"]
+__all__ = ["Staging", "available_memory", "is_cuda"]
 
 log = logging.getLogger("slurm_ckpt")
 
@@ -110,3 +111,49 @@ class Staging:
             side = streams.get(dev) if streams else None
             (side or torch.cuda.current_stream(dev)).synchronize()
         return FileImage(size=total, pieces=[(base, total)], keep=[buf]), staged
+
+
+def available_memory() -> int:
+    """Bytes this process can still allocate: MemAvailable, capped by its memory cgroup.
+
+    Slurm confines a job's memory with a cgroup whose limit is usually far
+    below the node's free memory, so the cgroup is what decides.
+    """
+    avail = _meminfo_available()
+    for limit_file, usage_file in _cgroup_memory_files():
+        try:
+            limit = int(Path(limit_file).read_text().strip())
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue  # "max" (v2, no limit) lands here too
+        avail = min(avail, max(0, limit - usage))
+    return avail
+
+
+def _meminfo_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1 << 62
+
+
+def _cgroup_memory_files() -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base = f"/sys/fs/cgroup{path}"
+            out.append((f"{base}/memory.max", f"{base}/memory.current"))
+        elif "memory" in controllers.split(","):
+            base = f"/sys/fs/cgroup/memory{path}"
+            out.append((f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes"))
+    return out

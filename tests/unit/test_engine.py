@@ -1,0 +1,297 @@
+"""The engine's parts: crc combining, chunking, the writer and reader, staging, snapshots.
+
+Files go to the real filesystem under tmp_path (ext4 here, O_DIRECT on); small
+chunk sizes make even small states span many chunks, unaligned tails included.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slurm_ckpt.config import ConfigError, EngineConfig, load_config
+from slurm_ckpt.engine import Engine, gc_paused
+from slurm_ckpt.engine.crc import crc32_combine, crc32_of_chunks
+from slurm_ckpt.engine.layout import chunk_pieces, order_entries, plan_file
+from slurm_ckpt.engine.reader import read_tensor_file
+from slurm_ckpt.engine.staging import Staging
+from slurm_ckpt.engine.writer import write_image
+from slurm_ckpt.errors import CheckpointCorrupt
+from slurm_ckpt.store.codec import encode_state
+from slurm_ckpt.store.commit import commit
+from slurm_ckpt.store.tensorfile import FileRecord, read_tensors, write_tensor_file
+from slurm_ckpt.store.verify import verify_checkpoint
+from slurm_ckpt.store.writer import load_state
+
+torch = pytest.importorskip("torch")
+
+
+def mixed_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": torch.randn(300, 70, generator=g),  # 84,000 bytes: not a multiple of 4 KiB
+        "b": torch.arange(13, dtype=torch.int8),
+        "h": torch.randn(9, generator=g).half(),
+        "bf": torch.randn(5, generator=g).bfloat16(),
+        "d": torch.randn(3, 3, generator=g, dtype=torch.float64),
+        "mask": torch.tensor([True, False, True]),
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(3.5),
+        "t": torch.randn(20, 30, generator=g).t(),  # not contiguous
+        "small": [torch.full((k,), float(k)) for k in range(1, 40)],
+        "step": 12,
+    }
+
+
+def assert_same(got: Any, want: Any) -> None:
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert_same(got[k], want[k])
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert_same(a, b)
+    else:
+        assert got == want
+
+
+@given(st.binary(max_size=3000), st.binary(max_size=3000))
+def test_crc32_combine_matches_zlib_on_the_concatenation(a: bytes, b: bytes) -> None:
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+@given(st.lists(st.binary(max_size=500), max_size=8))
+def test_crc32_of_chunks_equals_one_pass(parts: list[bytes]) -> None:
+    assert crc32_of_chunks([(zlib.crc32(p), len(p)) for p in parts]) == zlib.crc32(b"".join(parts))
+
+
+@settings(max_examples=60)
+@given(st.lists(st.integers(0, 20_000), max_size=12), st.sampled_from([4096, 8192, 12288]))
+def test_chunk_pieces_tile_the_stream_in_order(sizes: list[int], chunk: int) -> None:
+    pieces, addr = [], 1 << 20
+    for n in sizes:
+        pieces.append((addr, n))
+        addr += n + 100  # gaps between pieces: memory is not contiguous
+    chunks = chunk_pieces(pieces, chunk)
+    flat = [p for c in chunks for p in c]
+    assert all(sum(m for _, m in c) == chunk for c in chunks[:-1])
+    assert sum(m for _, m in flat) == sum(sizes)
+    # Re-joining adjacent pieces gives back the non-empty originals.
+    joined: list[tuple[int, int]] = []
+    for a, m in flat:
+        if joined and joined[-1][0] + joined[-1][1] == a:
+            joined[-1] = (joined[-1][0], joined[-1][1] + m)
+        else:
+            joined.append((a, m))
+    assert joined == [p for p in pieces if p[1]]
+
+
+@pytest.mark.parametrize(("threads", "chunk", "direct"), [(1, 4096, True), (4, 8192, True), (3, 12288, False)])
+def test_written_file_reads_back_everywhere(tmp_path: Path, threads: int, chunk: int, direct: bool) -> None:
+    enc = encode_state(mixed_state())
+    entries = order_entries(enc.tensors)
+    path = tmp_path / "x.safetensors"
+    rec = write_image(path, plan_file(entries), threads=threads, chunk=chunk, direct=direct)
+    data = path.read_bytes()
+    assert rec == FileRecord(len(data), f"{zlib.crc32(data):08x}")
+    want = {e.key: e.tensor for e in enc.tensors}
+    for mmap in (False, True):
+        assert_same(read_tensor_file(path, rec, threads=threads, chunk=chunk, use_mmap=mmap), want)
+    assert_same(read_tensors(path, rec), want)  # the reference reader
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:  # a third-party reader
+        assert_same({k: f.get_tensor(k) for k in f.keys()}, want)  # noqa: SIM118
+
+
+def test_offsets_are_dtype_aligned_so_mmap_needs_no_copy(tmp_path: Path) -> None:
+    enc = encode_state(mixed_state())
+    path = tmp_path / "x.safetensors"
+    rec = write_image(path, plan_file(order_entries(enc.tensors)), chunk=4096)
+    (n,) = struct.unpack("<Q", path.read_bytes()[:8])
+    assert (8 + n) % 4096 == 0
+    header = json.loads(path.read_bytes()[8 : 8 + n])
+    for key, info in header.items():
+        size = torch_itemsize(info["dtype"])
+        assert info["data_offsets"][0] % size == 0, key
+    out = read_tensor_file(path, rec, use_mmap=True)
+    bases = {t.untyped_storage().data_ptr() for t in out.values() if t.numel()}
+    assert len(bases) == 1  # every tensor is a view of the one mapping
+
+
+def torch_itemsize(name: str) -> int:
+    from slurm_ckpt.store.codec import torch_dtype
+
+    return int(torch_dtype(name).itemsize)
+
+
+def test_reads_files_of_the_reference_writer_unaligned_offsets_included(tmp_path: Path) -> None:
+    enc = encode_state({"b": torch.arange(3, dtype=torch.int8), "f": torch.randn(5), "d": torch.randn(2).double()})
+    path = tmp_path / "ref.safetensors"
+    rec = write_tensor_file(path, enc.tensors)  # keeps the given order: f starts at byte 3
+    want = {e.key: e.tensor for e in enc.tensors}
+    for mmap in (False, True):
+        assert_same(read_tensor_file(path, rec, chunk=4096, use_mmap=mmap), want)
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_flipped_bit_anywhere_is_caught_naming_the_file(tmp_path: Path, mmap: bool) -> None:
+    enc = encode_state(mixed_state())
+    path = tmp_path / "x.safetensors"
+    rec = write_image(path, plan_file(order_entries(enc.tensors)), chunk=4096)
+    size = path.stat().st_size
+    for where in (size - 1, size // 2, 4096):
+        data = bytearray(path.read_bytes())
+        data[where] ^= 0x10
+        bad = tmp_path / f"bad-{where}.safetensors"
+        bad.write_bytes(data)
+        with pytest.raises(CheckpointCorrupt, match="checksum mismatch") as e:
+            read_tensor_file(bad, rec, chunk=4096, use_mmap=mmap)
+        assert e.value.path == str(bad)
+
+
+def test_a_header_that_does_not_tile_the_data_is_refused_before_reading(tmp_path: Path) -> None:
+    enc = encode_state({"a": torch.randn(4), "b": torch.randn(4)})
+    path = tmp_path / "x.safetensors"
+    write_image(path, plan_file(enc.tensors), chunk=4096)
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    cases = {
+        "overlap": {"a": [0, 16], "b": [8, 24]},
+        "too long for its shape": {"a": [0, 24], "b": [24, 32]},
+    }
+    for label, offsets in cases.items():
+        h = json.loads(json.dumps(header))
+        for k, o in offsets.items():
+            h[k]["data_offsets"] = o
+        body = json.dumps(h).encode().ljust(n)
+        bad = tmp_path / f"{label}.safetensors"
+        bad.write_bytes(raw[:8] + body + raw[8 + n :])
+        with pytest.raises(CheckpointCorrupt):
+            read_tensor_file(bad, FileRecord(bad.stat().st_size, "00000000"), verify=False)
+
+
+def test_mmap_tensors_are_private_copies_on_write(tmp_path: Path) -> None:
+    enc = encode_state({"a": torch.zeros(2048)})
+    path = tmp_path / "x.safetensors"
+    rec = write_image(path, plan_file(enc.tensors))
+    before = path.read_bytes()
+    out = read_tensor_file(path, rec, use_mmap=True)
+    out["a"].add_(1)
+    assert path.read_bytes() == before
+    assert_same(read_tensor_file(path, rec), {"a": torch.zeros(2048)})
+
+
+def test_map_location_moves_tensors(tmp_path: Path) -> None:
+    enc = encode_state({"a": torch.randn(8)})
+    path = tmp_path / "x.safetensors"
+    rec = write_image(path, plan_file(enc.tensors))
+    out = read_tensor_file(path, rec, device="meta")
+    assert out["a"].device.type == "meta" and out["a"].shape == (8,)
+
+
+@pytest.mark.parametrize("mode", ["sync", "copy", "fork", "lazy"])
+def test_every_mode_commits_the_same_readable_checkpoint(tmp_path: Path, mode: str) -> None:
+    state = mixed_state()
+    eng = Engine(EngineConfig(chunk_size=8192, threads=3))
+    job = eng.job(state, mode=mode)
+    try:
+        path = commit(tmp_path, 1, job.write, nbytes=job.nbytes)
+    finally:
+        job.close()
+    man = verify_checkpoint(path)  # full: every checksum recomputed
+    want = dict(state, t=state["t"].contiguous())
+    assert_same(eng.load(path, man), want)
+    assert_same(eng.load(path, man, mmap=True), want)
+    assert_same(load_state(path, man), want)  # the reference reader
+
+
+@pytest.mark.parametrize("mode", ["copy", "fork", "lazy"])
+def test_in_place_updates_after_the_snapshot_do_not_leak(tmp_path: Path, mode: str) -> None:
+    state = {"w": torch.arange(100_000, dtype=torch.float32), "step": 1}
+    want = {"w": state["w"].clone(), "step": 1}
+    eng = Engine(EngineConfig(chunk_size=8192))
+    job = eng.job(state, mode=mode)
+    if mode == "lazy":
+        # The lazy mode's contract: the fence before the update. Its data is
+        # captured by the first write, which the commit below starts.
+        import threading
+
+        done: list[Path] = []
+        t = threading.Thread(target=lambda: done.append(commit(tmp_path, 1, job.write)))
+        t.start()
+        job.captured.wait(30)
+        state["w"].add_(1)
+        t.join()
+        path = done[0]
+    else:
+        state["w"].add_(1)  # the trainer goes on at once
+        path = commit(tmp_path, 1, job.write)
+    job.close()
+    assert_same(Engine().load(path, verify_checkpoint(path)), want)
+
+
+def test_a_job_can_be_written_twice_like_a_retried_commit(tmp_path: Path) -> None:
+    eng = Engine(EngineConfig(chunk_size=8192))
+    for mode in ("fork", "copy", "lazy"):
+        job = eng.job({"w": torch.randn(5000)}, mode=mode)
+        (tmp_path / mode).mkdir()
+        try:
+            a = commit(tmp_path / mode, 1, job.write)
+            b = commit(tmp_path / mode, 2, job.write)
+        finally:
+            job.close()
+        assert (a / "tensors-00000.safetensors").read_bytes() == (b / "tensors-00000.safetensors").read_bytes()
+
+
+def test_staging_is_reused_and_holds_one_copy(tmp_path: Path) -> None:
+    staging = Staging()
+    state = {"w": torch.randn(1 << 20), "b": torch.randn(1000)}
+    enc = encode_state(state)
+    image, _ = staging.stage(enc.tensors)
+    first = staging._buf.data_ptr()
+    state["w"].add_(1)
+    image2, staged = staging.stage(encode_state(state).tensors)
+    assert staging._buf.data_ptr() == first  # no new allocation after the first save
+    assert staging.capacity <= 1.1 * enc.nbytes + (2 << 20)
+    assert image2.size == image.size
+    got = {e.key: e.tensor for e in staged}
+    assert torch.equal(got["w"], state["w"])
+    assert staging._buf.data_ptr() % 4096 == 0
+
+
+def test_engine_config_is_validated() -> None:
+    with pytest.raises(ConfigError, match="snapshot"):
+        load_config(env={"SLURM_CKPT_CONFIG": os.devnull, "SLURM_CKPT_ENGINE_SNAPSHOT": "eager"})
+    with pytest.raises(ConfigError, match="chunk_size"):
+        load_config(env={"SLURM_CKPT_CONFIG": os.devnull, "SLURM_CKPT_ENGINE_CHUNK_SIZE": "1000"})
+    cfg = load_config(env={"SLURM_CKPT_CONFIG": os.devnull, "SLURM_CKPT_ENGINE_SNAPSHOT": "lazy"})
+    assert cfg.engine.snapshot == "lazy"
+
+
+def test_gc_paused_restores_the_callers_setting() -> None:
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
