@@ -190,7 +190,7 @@ def run(
               help="slurm.conf to check (default: $SLURM_CONF, then /etc/slurm/slurm.conf).")  # fmt: skip
 @click.option("--lead-time", type=float, default=None,
               help="Seconds of sbatch --signal=USR1@N warning (default: assume 120).")  # fmt: skip
-@click.option("--ckpt-size", default=None, help="One checkpoint's size, e.g. 40G (default: the newest in PATH).")
+@click.option("--ckpt-size", default=None, help="One checkpoint's size, e.g. 40GB or 37GiB (default: the newest in PATH).")
 @click.option("--probe-size", default="128M", show_default=True, help="Most bytes the write probe writes.")
 @click.option("--probe-seconds", type=float, default=5.0, show_default=True, help="Most seconds the probe runs.")
 @_errors_to_exit

@@ -97,7 +97,7 @@ def check_probe(report: Report, directory: Path, max_bytes: int, max_seconds: fl
     if res.error is not None:
         e = res.error
         name = errno.errorcode.get(e.errno or 0, str(e.errno))
-        report.add("probe", Severity.ERROR, f"cannot write to {directory}: {name} ({e.strerror})",
+        report.add("probe", Severity.ERROR, f"cannot write to {directory}: {name} ({os.strerror(e.errno or 0)})",
                    getattr(e, "hint", "") or "fix the storage before the next checkpoint",
                    errno=name)  # fmt: skip
         return res
