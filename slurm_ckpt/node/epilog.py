@@ -52,6 +52,7 @@ def run_epilog(env: Mapping[str, str] | None = None, cfg: Config | None = None) 
     finally:
         os.close(base_fd)
     _remove_io_cgroup(ctx)
+    _remove_metrics(ctx)
     log.info("epilog done in %.0f ms: %s", ctx.deadline.elapsed_ms(), result)
     return result
 
@@ -109,3 +110,15 @@ def _remove_io_cgroup(ctx: HookContext) -> None:
         cgroup.remove_v1(root, ctx.job.dir_name)
     except OSError as e:
         log.warning("cannot remove the I/O cgroup of the job: %s", e)
+
+
+def _remove_metrics(ctx: HookContext) -> None:
+    """Drop the finished job's textfile metrics, so no alert fires for a job that is gone."""
+    if not ctx.cfg.metrics.textfile_dir:
+        return
+    from ..metrics import remove_job_textfiles
+
+    try:
+        remove_job_textfiles(ctx.cfg.metrics.textfile_dir, ctx.job.job_id)
+    except OSError as e:
+        log.warning("cannot remove the job's metrics files: %s", e)

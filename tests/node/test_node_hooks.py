@@ -190,3 +190,18 @@ def test_missing_scratch_disk_is_a_node_fault(pub_tmp: Path) -> None:
 
     with pytest.raises(StorageError, match="scratch base unusable"):
         run_prolog({"SLURM_JOB_ID": "9", "SLURM_JOB_UID": "0"}, cfg)
+
+
+def test_epilog_removes_only_this_jobs_metrics_files(pub_tmp: Path, user: User) -> None:
+    import dataclasses
+
+    from slurm_ckpt.config import MetricsConfig
+
+    prom = pub_tmp / "textfiles"
+    prom.mkdir()
+    for name in ("slurm_ckpt_601_0.prom", "slurm_ckpt_601_1.prom", "slurm_ckpt_6011_0.prom", "other.prom"):
+        (prom / name).write_text("# x\n")
+    cfg = dataclasses.replace(make_cfg(pub_tmp / "scratch"), metrics=MetricsConfig(textfile_dir=str(prom)))
+    run_prolog(user.env("601"), cfg)
+    run_epilog(user.env("601"), cfg)
+    assert sorted(p.name for p in prom.iterdir()) == ["other.prom", "slurm_ckpt_6011_0.prom"]
