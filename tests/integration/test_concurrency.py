@@ -45,7 +45,8 @@ class Writer:
         )  # fmt: skip
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -56,9 +57,11 @@ class Writer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                line = self.lines.get(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
-                break
+                if not self._pump_thread.is_alive() and self.lines.empty():
+                    break  # its output ended without the line
+                continue
             self.seen.append(line)
             if needle in line:
                 return line
