@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ..errors import ConfigError, NoSpace, StorageError, storage_error
+from ..errors import ConfigError, NoSpace, SlurmCkptError, StorageError, storage_error
 from .retention import apply_retention, remove_stale_tmp
 
 if TYPE_CHECKING:
@@ -177,6 +177,8 @@ def retry_call(
         try:
             return fn()
         except OSError as e:
+            if isinstance(e, SlurmCkptError) and not isinstance(e, StorageError):
+                raise  # already typed and not an I/O fault: LockHeld is a TimeoutError, so an OSError
             if not policy.transient(e) or attempt >= policy.retries:
                 if attempt and policy.transient(e):
                     log.error("%s: still failing after %d retries: %s", what, attempt, e)
