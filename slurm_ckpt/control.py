@@ -29,6 +29,7 @@ without the wrapper. A dead or missing wrapper never fails a save.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import logging
@@ -89,6 +90,14 @@ def _after_fork_in_child() -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, _handled)
 
 
+def _ignore_at_exit() -> None:
+    if os.getpid() != _owner_pid:
+        return
+    for sig in _handled:
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(sig, signal.SIG_IGN)
+
+
 class Control:
     """The process's checkpoint-request flag and its channel to the wrapper."""
 
@@ -130,6 +139,10 @@ class Control:
             _handled.add(sig)
         if not _fork_hook_registered:
             os.register_at_fork(after_in_child=_after_fork_in_child)
+            # Interpreter shutdown resets Python-handled signals to SIG_DFL, so a
+            # late USR1 (Slurm's, or the wrapper's forward) would kill a trainer
+            # that has already saved and is exiting: ignore them from atexit on.
+            atexit.register(_ignore_at_exit)
             _fork_hook_registered = True
         self.send(f"ready {os.getpid()}")
 

@@ -76,7 +76,9 @@ class JobInfo:
     """JobState: RUNNING, CANCELLED, TIMEOUT, PREEMPTED, PENDING, REQUEUED, COMPLETING…"""
     reason: str = ""
     end_time: float | None = None
-    """When Slurm will end the job (epoch seconds); None without a time limit."""
+    """When Slurm will end the job (epoch seconds); None without a time limit.
+    After a scancel it is the cancel time."""
+    start_time: float | None = None
     time_limit: int | None = None
     """Seconds; None when unlimited."""
     restarts: int = 0
@@ -103,6 +105,7 @@ class JobInfo:
             state=fields["JobState"],
             reason=fields.get("Reason", ""),
             end_time=parse_time(fields.get("EndTime", "")),
+            start_time=parse_time(fields.get("StartTime", "")),
             time_limit=parse_duration(fields.get("TimeLimit", "")),
             restarts=_int("Restarts"),
             requeue_allowed=fields.get("Requeue", "1") != "0",
@@ -114,6 +117,16 @@ class JobInfo:
     @property
     def seconds_left(self) -> float | None:
         return None if self.end_time is None else self.end_time - time.time()
+
+    @property
+    def limit_time(self) -> float | None:
+        """StartTime + TimeLimit: when the time limit ends the run (None if unlimited).
+
+        Unlike EndTime, a scancel does not move it. Suspended time is not added.
+        """
+        if self.start_time is None or self.time_limit is None:
+            return None
+        return self.start_time + self.time_limit
 
 
 def show_job(job_id: str, *, timeout: float = 20.0) -> JobInfo:

@@ -38,12 +38,16 @@ What it does, in order:
      through and nothing is requeued;
    * without a request nothing is requeued (the run simply ended);
    * only global rank 0 (``SLURM_PROCID`` 0) requeues, exactly once;
-   * never after a cancel: SIGINT, or ``JobState=CANCELLED`` in ``scontrol
-     show job`` when the request came or at decision time. ``scancel JOB``
-     makes Slurm mark the job CANCELLED before it sends SIGTERM, whereas a
-     time limit shows TIMEOUT, a preemption PREEMPTED (or the job is already
-     pending again), and ``scancel --signal=TERM`` leaves it RUNNING; those are
-     preemptions;
+   * never after a cancel. Cancel vs preemption, from ``scontrol show job``
+     when the request comes and again at decision time (``policy.cancel_reason``):
+     ``scancel JOB`` makes the job COMPLETING (22.05's CLI hides the CANCELLED
+     underneath) *before its time limit* (StartTime + TimeLimit), or CANCELLED
+     once done; a time limit makes it COMPLETING only at or after that limit;
+     ``scancel --signal=TERM`` and a preemption with GraceTime leave it RUNNING;
+     SIGINT is a cancel too. If Slurm has already requeued the job itself
+     (``Restarts`` grew: PreemptMode=REQUEUE), the wrapper reports that and
+     exits 0. Limitation: with PreemptMode=CANCEL a preemption that sends only
+     SIGTERM looks like a scancel and is not requeued;
    * not when ``SLURM_RESTART_COUNT >= --max-requeues``;
    * not when no checkpoint newer than the one present at start was committed
      during this run (reported on the channel, or found valid in the run dir);
@@ -72,6 +76,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -84,7 +89,7 @@ from ..store import find_latest
 from .backend import JobBackend, LocalJob, SlurmJob
 from .channel import ControlServer
 from .events import Events
-from .policy import CANCELLED_STATES, Decision, RunFacts, decide_requeue
+from .policy import Decision, RunFacts, cancel_reason, decide_requeue
 from .proctree import become_subreaper
 from .supervisor import RunResult, SignalTrap, Supervisor, Timing
 
@@ -135,6 +140,9 @@ def run_wrapper(
             res = Supervisor(argv, child_env, sig=sig, job=job, timing=timing, trap=trap,
                              server=server, events=events, preempt_after=after).run()  # fmt: skip
             decision = _decide(res, job, rank, restarts, w.max_requeues, baseline, dirs, ckpt_dir)
+            if decision.reason == "already-requeued":
+                events.emit("requeue", via="slurm", already=True, msg=decision.detail)
+                return _exit(events, 0)
             if not decision.requeue:
                 if res.requested or decision.reason == "crashed":
                     events.emit("no-requeue", reason=decision.reason, msg=decision.detail)
@@ -170,10 +178,12 @@ def _decide(
         return Decision(False, "crashed",
                         f"the command exited with code {res.code}; passing it through, no requeue")  # fmt: skip
     cancelled = res.cancelled
-    if res.requested and rank == 0 and not cancelled and not job.local:
+    if res.requested and rank == 0 and not job.local:
         info = job.job_info()
-        if info is not None and info.state in CANCELLED_STATES:
-            cancelled = f"JobState={info.state}"
+        if info is not None and info.restarts > restarts:
+            return Decision(False, "already-requeued",
+                            f"Slurm has requeued the job itself (Restarts={info.restarts})")  # fmt: skip
+        cancelled = cancelled or cancel_reason(info, time.time())
     return decide_requeue(RunFacts(
         requested=res.requested, cancelled=cancelled, rank=rank, restarts=restarts,
         max_requeues=max_requeues, baseline_step=baseline, new_step=new_step,

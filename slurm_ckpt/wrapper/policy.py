@@ -7,11 +7,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CANCELLED_STATES", "Decision", "RunFacts", "decide_requeue"]
+from ..slurm import JobInfo
 
-# JobStates that mean a person ended the job. A preempted job is PREEMPTED or
-# (PreemptMode=REQUEUE) already PENDING/REQUEUED; a time limit is TIMEOUT.
+__all__ = ["CANCELLED_STATES", "Decision", "RunFacts", "cancel_reason", "decide_requeue"]
+
+# Slurm 22.05's CLI shows COMPLETING while a job's processes are being ended,
+# hiding whether it was CANCELLED, TIMEOUT or PREEMPTED underneath (measured:
+# `squeue -t CANCELLED` does not match it either). So a job is taken as
+# cancelled when it shows CANCELLED, or shows COMPLETING before its time limit
+# has run out: a time limit ends it only after StartTime + TimeLimit.
 CANCELLED_STATES = frozenset({"CANCELLED"})
+LIMIT_SLACK = 5.0
+"""Seconds of clock granularity allowed around StartTime + TimeLimit."""
+
+
+def cancel_reason(info: JobInfo | None, now: float) -> str:
+    """Why the job counts as cancelled by a person ("" if it does not).
+
+    Unknown job info counts as not cancelled: the requeue guards still bound
+    what a wrong guess can cost. With ``PreemptMode=CANCEL`` a preemption looks
+    the same as a scancel here; ``PreemptMode=REQUEUE`` (Slurm requeues the job
+    itself) or ``preempt_send_user_signal`` avoid that.
+    """
+    if info is None:
+        return ""
+    if info.state in CANCELLED_STATES:
+        return f"JobState={info.state}"
+    if info.state == "COMPLETING":
+        limit = info.limit_time
+        if limit is None:
+            return "JobState=COMPLETING and the job has no time limit: a scancel"
+        if now < limit - LIMIT_SLACK:
+            return (f"JobState=COMPLETING {limit - now:.0f}s before the time limit: a scancel, "
+                    "not a timeout")  # fmt: skip
+    return ""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from ..slurm import JobInfo
 from .backend import JobBackend
 from .channel import ControlServer, Message
 from .events import Events
+from .policy import cancel_reason
 from .proctree import descendants, kill_tree, reap, start_child
 
 __all__ = ["RunResult", "SignalTrap", "Supervisor", "Timing"]
@@ -195,6 +196,7 @@ class Supervisor:
         self.res.requested, self.res.trigger = True, _name(sig)
         self.events.request_time = time.monotonic()
         self.events.emit("signal", signal=_name(sig), action="request")
+        self._forward(self._targets())  # first: the Slurm query below can take a while
         info = None if self.job.local else self.job.job_info()
         self.deadline = self.timing.deadline(sig, info, time.monotonic(), time.time())
         self.events.emit(
@@ -202,9 +204,7 @@ class Supervisor:
             end_time=None if info is None or info.end_time is None else int(info.end_time),
             job_state=None if info is None else info.state,
         )  # fmt: skip
-        if info is not None and info.state == "CANCELLED":
-            self.res.cancelled = "JobState=CANCELLED"
-        self._forward(self._targets())
+        self.res.cancelled = self.res.cancelled or cancel_reason(info, time.time())
 
     def _targets(self) -> list[int]:
         return [self.child.pid, *sorted(self.ready - {self.child.pid})]
