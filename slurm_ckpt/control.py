@@ -76,18 +76,17 @@ def _handler(signum: int, frame: FrameType | None) -> None:
 
 
 def _after_fork_in_child() -> None:
-    if not _handled:
+    ours = [sig for sig in _handled if signal.getsignal(sig) is _handler]
+    if not ours:  # the handler was replaced since: not ours to change
         return
-    for sig in _handled:
-        with contextlib.suppress(ValueError, OSError):
-            if signal.getsignal(sig) is _handler:
-                signal.signal(sig, signal.SIG_IGN)
-    # Blocked as well as ignored: a DataLoader worker installs its own C
-    # handler for SIGTERM (torch's _set_worker_signal_handlers), which would
-    # let Slurm's SIGTERM kill it. A blocked signal stays pending, whatever
-    # handler is installed later.
     with contextlib.suppress(ValueError, OSError):
-        signal.pthread_sigmask(signal.SIG_BLOCK, _handled)
+        for sig in ours:
+            signal.signal(sig, signal.SIG_IGN)
+        # Blocked as well as ignored: a DataLoader worker installs its own C
+        # handler for SIGTERM (torch's _set_worker_signal_handlers), which would
+        # let Slurm's SIGTERM kill it. A blocked signal stays pending, whatever
+        # handler is installed later.
+        signal.pthread_sigmask(signal.SIG_BLOCK, ours)
 
 
 def _ignore_at_exit() -> None:

@@ -30,8 +30,8 @@ def parse_show_job(text: str) -> dict[str, str]:
     line = next((ln for ln in text.splitlines() if ln.strip()), "")
     matches = list(_KEY.finditer(line))
     fields: dict[str, str] = {}
-    for m, nxt in zip(matches, [*matches[1:], None], strict=True):
-        end = nxt.start() if nxt else len(line)
+    for i, m in enumerate(matches):
+        end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
         fields.setdefault(m.group(1), line[m.end() : end].strip())
     return fields
 

@@ -41,6 +41,8 @@ def parse_message(line: str) -> Message | None:
             return Message("committed", step=int(parts[1]), path=parts[2])
     except ValueError:
         return None
+    if parts[0] in ("ready", "committed"):  # a known kind with missing fields
+        return None
     return Message(parts[0]) if parts[0] else None
 
 

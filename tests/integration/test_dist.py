@@ -36,7 +36,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         subprocess.Popen(
             [sys.executable, __file__, str(r), str(WORLD), str(port), str(base / "runs"), str(base / f"out{r}.json")],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+        )
         for r in range(WORLD)
     ]
     outputs = []
@@ -145,8 +145,8 @@ def _scenario_fail(run: Path, rank: int) -> dict[str, Any]:
         if rank == 1:
             ckpt.run_dir.commit(2, write_failing)
         else:
-            from slurm_ckpt.store.writer import write_state
             from slurm_ckpt.store.codec import encode_state
+            from slurm_ckpt.store.writer import write_state
 
             enc = encode_state(_state(rank, 2))
             ckpt.run_dir.commit(2, lambda tmp: write_state(tmp, enc))

@@ -8,6 +8,7 @@ value, so "resumed" and "finished with the right result" are checkable.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -236,10 +237,8 @@ def test_dataloader_workers_survive_slurm_style_signals(tmp_path: Path) -> None:
                         timeout=60, what="trainer and 2 DataLoader workers")  # fmt: skip
         for sig in (signal.SIGCONT, signal.SIGUSR1, signal.SIGTERM):
             for pid in [live.proc.pid, *(p.pid for p in tree)]:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
     finally:
         r = live.finish(timeout=120)
     assert len(tree) >= 3
