@@ -61,7 +61,7 @@ def synthetic_state(nbytes: int) -> dict[str, Any]:
     import torch
 
     params_bytes = max(nbytes // 3, 64 * 1024)
-    d = 256
+    d = 64
     while 12 * (2 * d) ** 2 * 4 * 4 <= params_bytes and d < 4096:
         d *= 2  # at least ~4 layers of the chosen width
     layers = max(1, round(params_bytes / (12 * d * d * 4)))

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..store.codec import TensorEntry
 from ..store.tensorfile import build_header
-from .buffers import ALIGN, aligned_buffer
+from .buffers import aligned_buffer
 from .layout import FileImage, order_entries
 
 __all__ = ["Staging", "available_memory", "is_cuda"]
@@ -44,6 +44,7 @@ class Staging:
         self._buf: Any = None  # a uint8 torch tensor over the buffer
         self._owner: Any = None  # the mmap behind an unpinned buffer
         self._pinned = False
+        self._wanted_pinned = False
 
     @property
     def capacity(self) -> int:
@@ -51,24 +52,29 @@ class Staging:
 
     def release(self) -> None:
         """Free the buffer (the next stage allocates a new one)."""
+        if self._pinned and self._buf is not None:
+            _unpin(int(self._buf.data_ptr()))
         self._buf = None
         self._owner = None
+        self._pinned = False
+
+    def __del__(self) -> None:
+        self.release()
 
     def _ensure(self, nbytes: int, pinned: bool) -> Any:
         import torch
 
-        if self._buf is not None and self.capacity >= nbytes and self._pinned == pinned:
+        if self._buf is not None and self.capacity >= nbytes and self._wanted_pinned == pinned:
             return self._buf
         self.release()  # free first: peak memory stays one buffer, not two
         cap = -(-nbytes // _GROW) * _GROW
-        if pinned:
-            self._buf = torch.empty(cap, dtype=torch.uint8, pin_memory=True)
-            if self._buf.data_ptr() % ALIGN:
-                log.debug("pinned staging buffer is not page-aligned; writes will bounce")
-        else:
-            self._owner = aligned_buffer(cap)
-            self._buf = torch.frombuffer(self._owner, dtype=torch.uint8)
-        self._pinned = pinned
+        self._owner = aligned_buffer(cap)
+        self._buf = torch.frombuffer(self._owner, dtype=torch.uint8)
+        # Pinned by registering our own page-aligned memory rather than with
+        # pin_memory=True, whose caching allocator rounds up to a power of two
+        # (a 1.1 GiB state would hold 2 GiB of pinned memory).
+        self._pinned = pinned and _pin(int(self._buf.data_ptr()), cap)
+        self._wanted_pinned = pinned
         return self._buf
 
     def stage(
@@ -111,6 +117,29 @@ class Staging:
             side = streams.get(dev) if streams else None
             (side or torch.cuda.current_stream(dev)).synchronize()
         return FileImage(size=total, pieces=[(base, total)], keep=[buf]), staged
+
+
+def _pin(addr: int, nbytes: int) -> bool:
+    import torch
+
+    try:
+        err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1))  # 1: portable
+    except (AttributeError, RuntimeError) as e:
+        err, why = -1, str(e)
+    else:
+        why = f"cudaError {err}"
+    if err:
+        log.warning("cannot pin the staging buffer (%s); device-to-host copies will be slower", why)
+    return err == 0
+
+
+def _unpin(addr: int) -> None:
+    import torch
+
+    try:
+        torch.cuda.cudart().cudaHostUnregister(addr)
+    except (AttributeError, RuntimeError) as e:
+        log.debug("cudaHostUnregister failed: %s", e)
 
 
 def available_memory() -> int:
