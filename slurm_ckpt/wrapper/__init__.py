@@ -150,6 +150,7 @@ def run_wrapper(
             if local:
                 restarts += 1
                 run_no += 1
+                child_env["SLURM_RESTART_COUNT"] = str(restarts)  # as Slurm sets it after a requeue
                 events.emit("restart", run=run_no, msg=decision.detail)
                 continue
             return _exit(events, _requeue(job, res, events, w))
