@@ -11,6 +11,7 @@ from typing import Any
 from ._env import default_run_dir, job_id, scratch_dir
 from .config import Config, load_config
 from .control import Control
+from .crossnode import CrossNode
 from .dist import ShardedRunDir, rank_info
 from .engine import Engine, SaveHandle
 from .errors import CheckpointCorrupt
@@ -73,6 +74,8 @@ class Checkpointer:
         # The fast writer/reader; it keeps staging buffers between saves.
         self.engine = Engine(self.config.engine)
         self.tiers = self._make_tiers(scratch, lock_timeout)
+        # Sharded with node-local scratch on some node: shards go via each node's scratch.
+        self.crossnode = self._make_crossnode(scratch, lock_timeout)
 
     @property
     def dir(self) -> Path:
@@ -99,13 +102,30 @@ class Checkpointer:
             return None
         tiers = Tiers(RunDir(fast, lock_timeout=lock_timeout), self.run_dir.inner, keep=self.keep,
                       policy=RetryPolicy.for_path(self.config.storage, self.dir),
-                      on_lag=self.metrics.set_stageout_lag)  # fmt: skip
+                      on_lag=self.metrics.set_stageout_lag, drain=self.config.storage.drain)  # fmt: skip
         try:
             tiers.activate()
         except OSError as e:
             log.warning("cannot use scratch %s (%s); saving to %s only", fast, e, self.dir)
             return None
         return tiers
+
+    def _make_crossnode(self, scratch: str | Path | bool | None, lock_timeout: float | None) -> CrossNode | None:
+        group = self.run_dir.group()
+        if group is None:
+            return None
+        # Every rank takes part in setup (a collective), with or without scratch.
+        if scratch is False:
+            named = None
+        else:
+            named = scratch_dir() if scratch is None or scratch is True else Path(scratch)
+        base = usable_scratch(named)
+        if base is None and named is not None:
+            log.warning("scratch %s is not a writable directory", named)
+        fast = None if base is None else fast_dir(base).absolute()
+        return CrossNode.setup(group, self.run_dir.inner, None if fast == self.dir else fast, keep=self.keep,
+                               lock_timeout=lock_timeout, on_lag=self.metrics.set_stageout_lag,
+                               drain=self.config.storage.drain)  # fmt: skip
 
     def is_durable(self, step: int) -> bool:
         """True once checkpoint ``step`` is committed on the durable tier.
@@ -115,6 +135,8 @@ class Checkpointer:
         """
         if self.tiers is not None:
             return self.tiers.is_durable(step)
+        if self.crossnode is not None:
+            return self.crossnode.is_durable(step)
         h = self._inflight
         if h is not None and h.step == step and not h.done():
             return False
@@ -138,6 +160,8 @@ class Checkpointer:
                 h.wait(timeout)
             except Exception:  # TimeoutError, or the save's own error (kept for wait())
                 return False
+        if self.crossnode is not None:
+            return self.crossnode.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self.tiers is None:
             return True
         return self.tiers.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -149,6 +173,8 @@ class Checkpointer:
         to scratch matters more, and the epilog stages it out.
         """
         err = self.tiers.take_error() if self.tiers is not None else None
+        if err is None and self.crossnode is not None:
+            err = self.crossnode.take_error()
         if err is None:
             return
         if self.config.storage.on_async_error == "warn" or self.control.requested:
@@ -165,6 +191,8 @@ class Checkpointer:
             if tiers is not None and path.parent == tiers.fast.path:
                 tiers.submit(step, path)
                 tiers.fast.retain(self.keep, protect=[path, *tiers.protected()])
+            elif self.crossnode is not None:
+                self.crossnode.retain(protect=[path])
             else:
                 self.run_dir.retain(self.keep, protect=[path])
         except OSError as e:
@@ -253,6 +281,8 @@ class Checkpointer:
     def _commit(self, step: int, write: WriteFn, nbytes: int) -> Path:
         """Commit one checkpoint: retried, pruned on a full disk, timed (store/retry.py)."""
         with self.metrics.time_save(step, nbytes):
+            if self.crossnode is not None:
+                return self.crossnode.commit(step, write, nbytes=nbytes, job_id=job_id())
             if self.run_dir.group() is not None:
                 # A collective save: one rank retrying alone would desynchronise the others.
                 return self.run_dir.commit(step, write, nbytes=nbytes, job_id=job_id())
@@ -286,6 +316,9 @@ class Checkpointer:
         self._drain_inflight(policy=False)
         if self.tiers is not None:
             self.tiers.drain()
+            self._surface_drain_error()
+        if self.crossnode is not None:
+            self.crossnode.drain()
             self._surface_drain_error()
 
     def fence(self) -> None:
@@ -322,6 +355,14 @@ class Checkpointer:
                 loaded.append(int(m.nbytes or sum(r.size for r in m.files.values())))
             return state
 
+        if self.crossnode is not None:
+            found = self.crossnode.load_latest(
+                lambda p, m: load_state(p, m, map_location=map_location, trusted=trusted), skipped
+            )
+            if found is None:
+                return None
+            state, self.loaded_step, self.loaded_path = found
+            return state
         if self.run_dir.group() is not None:
             found = self.run_dir.load_latest(
                 self.search_dirs, lambda p, m: load_state(p, m, map_location=map_location, trusted=trusted),
@@ -348,6 +389,8 @@ class Checkpointer:
         finally:
             if self.tiers is not None:
                 self.tiers.close()
+            if self.crossnode is not None:
+                self.crossnode.close()
             self.run_dir.unlock()
             # Done checkpointing: the series ends, so no alert fires for a finished job.
             self.metrics.close(remove=True)

@@ -102,6 +102,10 @@ class StorageConfig:
     """raise|warn: what the next save does when a background save failed."""
     allow_pickle: bool = False
     """Save unknown Python objects with pickle (trusted input only)."""
+    drain: bool = True
+    """Copy checkpoints from node-local scratch to the durable run dir in the background while
+    the job runs; false leaves that to the epilog's stage-out after the job (no checkpoint
+    traffic on shared storage during training, but only scratch holds them until then)."""
 
     def validate(self) -> None:
         if self.keep < 1:

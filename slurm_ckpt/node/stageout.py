@@ -26,6 +26,7 @@ from ..store import Candidate, RunDir, copy_checkpoint, find_latest, verify_chec
 from ..store.layout import list_steps
 from ..store.manifest import MANIFEST, Manifest
 from .job import Job
+from .shardstage import has_shards, stage_shards
 
 __all__ = ["TIER_FILE", "StageResult", "read_tier", "stage_out"]
 
@@ -118,6 +119,10 @@ def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float
     durable = read_tier(scratch_ckpt) or default_durable
     if durable is None:
         return StageResult("failed", "no durable run dir: no TIER.json and no storage.root")
+    if has_shards(scratch_ckpt):
+        # A cross-node sharded job: this node's shards go to the durable staging dirs.
+        r = stage_shards(scratch_ckpt, durable, lock_timeout)
+        return StageResult(r.status, r.detail, r.step, r.path)
     newest = find_latest([durable], full=False)
     errors: list[str] = []
     for cand in _candidates(scratch_ckpt, errors):

@@ -117,8 +117,11 @@ class Tiers:
         keep: int,
         policy: RetryPolicy | None = None,
         on_lag: Callable[[float], None] | None = None,
+        drain: bool = True,
     ) -> None:
         self.fast, self.durable, self.keep = fast, durable, keep
+        self._drain = drain
+        """False (storage.drain): nothing is copied while the job runs; the epilog stages out."""
         self._policy = policy or RetryPolicy()
         self._on_lag = on_lag
         self._cv = threading.Condition()
@@ -164,6 +167,9 @@ class Tiers:
             self._pending = self._newest = item
             self._undurable_since.append(item.at)
             self._report_lag()
+            if not self._drain:
+                self._pending = None  # kept as _newest (protected) for the epilog's stage-out
+                return
             if self._thread is None:
                 # Not a daemon: the interpreter waits for a copy in progress at exit.
                 self._thread = threading.Thread(target=self._run, name="slurm-ckpt-drain")

@@ -1,0 +1,330 @@
+"""Sharded checkpoints across nodes that each have their own node-local scratch.
+
+``dist.py`` commits a sharded checkpoint into one temp dir that every rank
+sees. With the prolog's scratch on each node no such dir exists, so when any
+rank has scratch the save goes this way instead (layout: ``store/shards.py``):
+
+1. rank 0 picks a ``save_id`` for the save and broadcasts it;
+2. each rank commits its shard on its own node: ``<scratch>/ckpt/rank-K/step-N``
+   (fast, and durable on that node). A rank without scratch (its node's
+   ledger was full) writes its shard straight into the durable staging dir,
+   with a warning at start-up;
+3. the ranks exchange their outcomes. If any failed, every rank raises and
+   nothing is committed. Otherwise ``save`` returns: the step is saved on
+   every node, which is what the wrapper needs to hear;
+4. in the background each rank with scratch copies its shard into the
+   durable staging dir (verified, committed on its own) and tries to
+   assemble: the last shard in writes the manifest and renames the staging
+   dir to ``step-N``. Only then is the checkpoint committed on the durable
+   tier. What the drain does not finish, each node's epilog does (it runs the
+   same two calls as the job's user) before it deletes that node's scratch.
+
+Resume is collective: each rank lists the shards it can read itself (its own
+scratch, the staging dirs) and rank 0 the committed checkpoints. A set of
+shards counts only when every rank has its shard of that very save; otherwise
+the ranks fall back to the durable tier. All ranks load their part of the
+same candidate and agree before anyone uses it, moving to the next older one
+together if any rank's part fails its checksums.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .dist import shard_manifest
+from .errors import CheckpointCorrupt, ConfigError, ShardError
+from .store import RunDir, Skipped, iter_valid, note_skip
+from .store import shards as sh
+from .store.commit import WriteFn
+from .store.layout import step_dir
+from .store.manifest import Manifest
+from .store.retention import apply_retention, discard_checkpoint
+from .store.tiers import write_tier_file
+
+if TYPE_CHECKING:
+    from .dist import _Group
+
+__all__ = ["CrossNode"]
+
+log = logging.getLogger("slurm_ckpt")
+
+Load = Callable[[Path, Manifest], Any]
+
+
+@dataclass(frozen=True)
+class _Item:
+    step: int
+    save_id: str
+    shard: sh.LocalShard
+    at: float
+
+
+class CrossNode:
+    """One rank's side of cross-node sharded checkpoints (see the module docstring)."""
+
+    def __init__(self, group: _Group, durable: RunDir, fast: Path | None, *, keep: int,
+                 lock_timeout: float | None = 0, on_lag: Callable[[float], None] | None = None,
+                 drain: bool = True) -> None:  # fmt: skip
+        self.group, self.durable, self.keep = group, durable, keep
+        self._drain = drain
+        """False (storage.drain): shards stay on scratch until the epilog stages them out."""
+        self.rank, self.world = group.rank, group.world
+        self.fast = None if fast is None else RunDir(fast / sh.shard_name(group.rank), lock_timeout=lock_timeout)
+        self._on_lag = on_lag
+        self._cv = threading.Condition()
+        self._pending: _Item | None = None
+        self._draining: _Item | None = None
+        self._newest: _Item | None = None
+        """The newest shard of this rank not yet staged on the durable tier."""
+        self._durable: set[int] = set()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def setup(cls, group: _Group, durable: RunDir, fast: Path | None, **kwargs: Any) -> CrossNode | None:
+        """Collective: a CrossNode when any rank has scratch, else None (``dist.py`` saves then).
+
+        ``fast`` is this rank's fast-tier dir (``<scratch>/ckpt``) or None.
+        """
+        host = socket.gethostname()
+        peers = group.all_gather((fast is not None, host))
+        if not any(has for has, _ in peers):
+            return None
+        without = sorted({h for has, h in peers if not has})
+        if fast is None:
+            log.warning("rank %d on %s has no node-local scratch: its shards go straight to the durable "
+                        "tier %s (slower saves); the other ranks use their scratch", group.rank, host,
+                        durable.path)  # fmt: skip
+        elif without and group.rank == 0:
+            log.warning("no node-local scratch on %s: those ranks save straight to %s", ", ".join(without),
+                        durable.path)  # fmt: skip
+        self = cls(group, durable, fast, **kwargs)
+        durable.ensure()
+        if group.rank == 0:
+            durable.lock()  # one job writes a run dir; the other ranks assemble under .shards.lock
+        if fast is not None:
+            assert self.fast is not None
+            self.fast.ensure()
+            # Tells the epilog where this node's shards go (read as untrusted input).
+            write_tier_file(fast, durable.path)
+        return self
+
+    # -- saving (collective) ---------------------------------------------------
+    def commit(self, step: int, write: WriteFn, **meta: Any) -> Path:
+        """Every rank calls this for the same step; returns this rank's committed shard."""
+        g = self.group
+        save_id = g.broadcast(sh.new_save_id() if self.rank == 0 else None)
+        extra = sh.shard_extra(self.rank, self.world, save_id, tier="scratch" if self.fast else "durable")
+        meta = {**meta, "world_size": self.world, "extra": extra}
+        err: BaseException | None = None
+        path: Path | None = None
+        try:
+            if self.fast is not None:
+                path = self.fast.commit(step, write, **meta)
+            else:
+                path = sh.write_staged_shard(self.durable.path, step, save_id, self.rank, write, **meta)
+            report: tuple[str, str] = ("ok", str(path))
+        except BaseException as e:  # reported to every rank, then re-raised here
+            err, report = e, ("error", f"rank {self.rank} on {socket.gethostname()}: {e}")
+        reports = g.all_gather(report)
+        failed = [msg for kind, msg in reports if kind == "error"]
+        if err is not None:
+            raise err
+        assert path is not None
+        if failed:
+            # This shard belongs to a save that can never be complete: drop it
+            # so that neither the drain nor the epilog copies it anywhere.
+            if self.fast is not None:
+                discard_checkpoint(path)
+            raise ShardError(f"checkpoint step {step} not saved: " + "; ".join(failed))
+        # Every rank's shard is committed on its node. Those on scratch still
+        # have to reach the durable tier; the last one there assembles step-N.
+        if self.fast is not None:
+            shard = sh.LocalShard(step, save_id, self.rank, self.world, path, Manifest.read(path))
+            self._submit(_Item(step, save_id, shard, time.time()))
+        return path
+
+    def retain(self, protect: list[Path]) -> list[Path]:
+        """Retention on this rank's fast-tier dir; shards not yet staged are kept."""
+        if self.fast is None:
+            return []
+        return apply_retention(self.fast.path, self.keep, protect=[*protect, *self.protected()])
+
+    def protected(self) -> set[Path]:
+        with self._cv:
+            return {i.shard.path for i in (self._pending, self._draining, self._newest) if i is not None}
+
+    # -- the drain ---------------------------------------------------------------
+    def _submit(self, item: _Item) -> None:
+        with self._cv:
+            self._pending = self._newest = item
+            self._report_lag()
+            if not self._drain:
+                self._pending = None  # kept as _newest (protected) for the epilog
+                return
+            if self._thread is None:
+                # Not a daemon: the interpreter waits for a copy in progress at exit.
+                self._thread = threading.Thread(target=self._run, name="slurm-ckpt-shard-drain")
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                item = self._draining = self._pending
+                self._pending = None
+                if item is None:
+                    self._thread = None
+                    self._cv.notify_all()
+                    return
+            try:
+                staged = sh.stage_shard(item.shard, self.durable.path)
+                done = sh.complete(self.durable.path, item.step, item.save_id, self.world, keep=self.keep)
+            except Exception as e:  # surfaced by the Checkpointer per storage.on_async_error
+                log.error("copying shard %s of step %d to the durable tier %s failed: %s; it stays on "
+                          "scratch for the next save or the epilog", sh.shard_name(self.rank), item.step,
+                          self.durable.path, e)  # fmt: skip
+                with self._cv:
+                    self._error = e
+            else:
+                log.info("shard %s of step %d is durable: %s%s", sh.shard_name(self.rank), item.step, staged,
+                         f"; checkpoint committed: {done}" if done else "; waiting for other ranks' shards")  # fmt: skip
+                with self._cv:
+                    if done is not None:
+                        self._durable.add(item.step)
+                    if self._newest == item:
+                        self._newest = None
+            finally:
+                with self._cv:
+                    self._draining = None
+                    self._report_lag()
+                    self._cv.notify_all()
+
+    def _report_lag(self) -> None:
+        if self._on_lag is not None:
+            item = self._newest
+            self._on_lag(time.time() - item.at if item is not None else 0.0)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until this rank's newest shard is staged; True if it is.
+
+        The checkpoint itself is committed once the slowest rank's shard is there.
+        """
+        with self._cv:
+            idle = self._cv.wait_for(lambda: self._thread is None, timeout)
+            return idle and self._newest is None
+
+    def is_durable(self, step: int) -> bool:
+        """True once checkpoint ``step`` is committed (every shard) on the durable tier."""
+        with self._cv:
+            if step in self._durable:
+                return (step_dir(self.durable.path, step) / "MANIFEST.json").is_file()
+        try:
+            from .store.verify import verify_checkpoint
+
+            verify_checkpoint(step_dir(self.durable.path, step), full=False)
+        except (CheckpointCorrupt, OSError):
+            return False
+        return True
+
+    def take_error(self) -> BaseException | None:
+        with self._cv:
+            err, self._error = self._error, None
+            return err
+
+    def close(self, timeout: float | None = None) -> bool:
+        try:
+            return self.drain(timeout)
+        finally:
+            if self.fast is not None:
+                self.fast.unlock()
+
+    # -- resume (collective) -----------------------------------------------------
+    def _own_shards(self) -> dict[tuple[int, str], sh.LocalShard]:
+        """Shards of this rank it can read itself: its scratch first, then staging."""
+        found: dict[tuple[int, str], sh.LocalShard] = {}
+        sources = [sh.staged_shards(self.durable.path, self.rank)]
+        if self.fast is not None:
+            sources.insert(0, sh.local_shards(self.fast.path))
+        for source in sources:
+            for s in source:
+                if s.world == self.world and s.rank == self.rank:
+                    found.setdefault((s.step, s.save_id), s)
+        return found
+
+    def load_latest(self, load: Load, skipped: list[Skipped] | None = None) -> tuple[Any, int, Path] | None:
+        """(state, step, path) of the newest checkpoint every rank can load, or None."""
+        g = self.group
+        try:
+            own = self._own_shards()
+        except OSError as e:
+            log.warning("cannot list the shards of rank %d: %s; resuming from the durable tier", self.rank, e)
+            own = {}
+        sets = g.all_gather(sorted((k[0], k[1], s.manifest.time) for k, s in own.items()))
+        cands: list[tuple[str, int, str]] | str | None = None
+        if self.rank == 0:
+            try:
+                cands = _candidates(sets, self.durable.path, skipped)
+            except OSError as e:  # the others wait on the broadcast: tell them
+                cands = f"rank 0 cannot list {self.durable.path}: {e}"
+        cands = g.broadcast(cands)
+        if isinstance(cands, str) or cands is None:
+            raise ShardError(f"resume failed: {cands}")
+        for kind, step, ref in cands:
+            status, state, path = self._load_part(kind, step, ref, own, load)
+            statuses = g.all_gather(status)
+            fatal = [s[1] for s in statuses if s[0] == "fatal"]
+            if fatal:
+                raise ConfigError("; ".join(fatal))
+            bad = [s[1] for s in statuses if s[0] == "corrupt"]
+            if not bad:
+                assert path is not None
+                return state, step, path
+            note_skip(path or Path(ref), "; ".join(bad), skipped)
+        return None
+
+    def _load_part(self, kind: str, step: int, ref: str, own: dict[tuple[int, str], sh.LocalShard],
+                   load: Load) -> tuple[tuple[str, str], Any, Path | None]:  # fmt: skip
+        """Load this rank's part of one candidate: ("ok"|"corrupt"|"fatal", why), state, path."""
+        path: Path | None = None
+        try:
+            if kind == "shards":
+                shard = own[(step, ref)]
+                path = shard.path
+                return ("ok", ""), load(path, shard.manifest), path
+            path = Path(ref)
+            man = Manifest.read(path)
+            part = shard_manifest(man, self.rank)
+            state = load(path, man) if part is None else load(path / sh.shard_name(self.rank), part)
+            return ("ok", ""), state, path
+        except ConfigError as e:
+            return ("fatal", f"rank {self.rank}: {e}"), None, path
+        except (CheckpointCorrupt, OSError, KeyError) as e:
+            return ("corrupt", f"rank {self.rank}: {e}"), None, path
+
+
+def _candidates(sets: list[list[tuple[int, str, float]]], durable: Path,
+                skipped: list[Skipped] | None) -> list[tuple[str, int, str]]:  # fmt: skip
+    """Newest first: committed checkpoints, and saves every rank holds a shard of.
+
+    A save only some ranks hold (a node died, a node's scratch is gone) is no
+    candidate. At equal steps the newer save wins; the same save on both
+    tiers is read from the shards, which may be on fast scratch.
+    """
+    common = set.intersection(*({(s, sid) for s, sid, _ in per_rank} for per_rank in sets))
+    when: dict[tuple[int, str], float] = {}
+    for per_rank in sets:
+        for s, sid, t in per_rank:
+            if (s, sid) in common:
+                when[(s, sid)] = max(when.get((s, sid), 0.0), t)
+    ranked: list[tuple[int, float, int, str, str]] = [(s, when[(s, sid)], 1, "shards", sid) for s, sid in common]
+    for cand in iter_valid([durable], full=False, skipped=skipped):
+        ranked.append((cand.step, cand.manifest.time, 0, "durable", str(cand.path)))
+    ranked.sort(key=lambda c: (c[0], c[1], c[2]), reverse=True)
+    return [(kind, step, ref) for step, _, _, kind, ref in ranked]

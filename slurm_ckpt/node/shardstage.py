@@ -1,0 +1,118 @@
+"""Epilog stage-out of this node's shards of cross-node checkpoints.
+
+A job whose ranks each had node-local scratch leaves ``<scratch>/ckpt/rank-K/``
+dirs on every node (see ``store/shards.py``). The epilog of each node copies
+this node's shards that are newer than the durable tier's newest checkpoint
+into the durable staging dirs, and assembles a checkpoint when its shard was
+the last one missing; the other nodes' epilogs then find it committed. It
+runs in the stage-out child, with the job user's rights only.
+
+Every shard newer than the durable tier is staged, not only the newest: if
+another node's drain got its older shard out but died before the newer one,
+this node's older shard is what completes the last whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CheckpointCorrupt
+from ..store import shards as sh
+
+__all__ = ["ShardStage", "has_shards", "stage_shards"]
+
+log = logging.getLogger("slurm_ckpt.node")
+
+
+@dataclass(frozen=True)
+class ShardStage:
+    """What the stage-out did with this node's shards (fields as in ``StageResult``)."""
+
+    status: str
+    """staged | up-to-date | none | failed"""
+    detail: str
+    step: int | None = None
+    path: str | None = None
+
+
+def _rank_dirs(scratch_ckpt: Path) -> list[Path]:
+    try:
+        names = sorted(os.listdir(scratch_ckpt))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if sh.rank_of(name) is None:
+            continue
+        try:
+            if stat.S_ISDIR(os.lstat(scratch_ckpt / name).st_mode):  # never a planted link
+                out.append(scratch_ckpt / name)
+        except OSError:
+            continue
+    return out
+
+
+def has_shards(scratch_ckpt: Path) -> bool:
+    """True if the job saved cross-node shards on this node."""
+    return bool(_rank_dirs(scratch_ckpt))
+
+
+def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float) -> ShardStage:
+    """Stage every shard on this node that the durable tier still needs. Never raises."""
+    try:
+        newest = sh.newest_durable_step(durable)
+    except OSError as e:
+        return ShardStage("failed", f"cannot read the durable run dir {durable}: {e}")
+    staged: list[str] = []
+    errors: list[str] = []
+    committed: tuple[int, str] | None = None
+    seen = 0
+    for rank_dir in _rank_dirs(scratch_ckpt):
+        try:
+            shards = list(sh.local_shards(rank_dir))
+        except OSError as e:
+            errors.append(f"{rank_dir}: {e}")
+            continue
+        seen += len(shards)
+        for shard in shards:
+            if newest is not None and shard.step <= newest:
+                break  # older ones too: the durable tier has a newer whole checkpoint
+            name = f"{sh.shard_name(shard.rank)} step {shard.step}"
+            try:
+                sh.stage_shard(shard, durable)
+                done = sh.complete(durable, shard.step, shard.save_id, shard.world, lock_timeout=lock_timeout)
+            except CheckpointCorrupt as e:
+                log.warning("not staging %s: %s", name, e)
+                continue
+            except OSError as e:
+                if _superseded(durable, shard.step):
+                    continue  # a newer checkpoint was committed meanwhile (and the staging dir pruned)
+                errors.append(f"{name}: {e}")
+                continue
+            if done is not None:
+                staged.append(f"{name} -> {done} (complete)")
+                if committed is None or shard.step > committed[0]:
+                    committed = (shard.step, str(done))
+            else:
+                staged.append(f"{name} staged, waiting for other nodes' shards")
+    if errors:
+        # Scratch must be kept: it may hold the only copy of a shard.
+        return ShardStage("failed", "; ".join(errors)[:2000])
+    if staged:
+        step, path = committed if committed else (None, None)
+        return ShardStage("staged", "; ".join(staged)[:2000], step, path)
+    if seen:
+        return ShardStage("up-to-date", f"{durable} has step {newest}", newest)
+    return ShardStage("none", f"no valid shard in {scratch_ckpt}")
+
+
+def _superseded(durable: Path, step: int) -> bool:
+    try:
+        newest = sh.newest_durable_step(durable)
+    except OSError:
+        return False
+    return newest is not None and newest >= step

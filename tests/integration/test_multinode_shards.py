@@ -1,0 +1,485 @@
+"""Cross-node sharded checkpoints with real torch.distributed (gloo over loopback).
+
+Two real processes play two nodes: each rank has its OWN scratch dir (its
+"node-local" scratch) and both share one durable run dir. This file is also
+the worker (``python test_multinode_shards.py PHASE RANK WORLD PORT BASE``);
+each phase runs its scenarios once, and each test checks one scenario from
+the JSON the ranks write. Phases:
+
+* ``main``: saves, drains, resume preference, a rank without scratch, a
+  failing rank, corrupt shards, shards left on scratch with the drain off;
+* ``death``: rank 1 is SIGKILLed in the middle of a save, after rank 0
+  committed its shard on its scratch; the test then runs rank 0's epilog
+  stage-out;
+* ``resume``: a fresh pair resumes after that death.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+WORLD = 2
+HERE = Path(__file__).resolve()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(phase: str, base: Path) -> list[subprocess.Popen[str]]:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))}
+    env["PYTHONPATH"] = str(HERE.parents[2])
+    return [subprocess.Popen([sys.executable, str(HERE), phase, str(r), str(WORLD), str(port), str(base)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for r in range(WORLD)]  # fmt: skip
+
+
+def _finish(procs: list[subprocess.Popen[str]], timeout: float = 90) -> list[str]:
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outputs
+
+
+def _results(base: Path, phase: str) -> list[dict[str, Any]]:
+    return [json.loads((base / f"{phase}-rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def main(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    base = tmp_path_factory.mktemp("multinode")
+    procs = _spawn("main", base)
+    outputs = _finish(procs)
+    assert [p.returncode for p in procs] == [0] * WORLD, "\n".join(
+        f"----- rank {r} exited {p.returncode}:\n{outputs[r]}" for r, p in enumerate(procs))
+    return {"base": base, "ranks": _results(base, "main")}
+
+
+def _manifest(path: Path) -> Any:
+    from slurm_ckpt.store import verify_checkpoint
+
+    return verify_checkpoint(path, full=True)
+
+
+def test_each_rank_saves_to_its_own_scratch_and_the_drain_assembles_one_checkpoint(main: dict[str, Any]) -> None:
+    base = main["base"]
+    got = [main["ranks"][r]["basic"] for r in range(WORLD)]
+    for r in range(WORLD):
+        # save() returned this rank's shard, committed on its own node's scratch.
+        assert got[r]["paths"] == [f"{base}/basic-scratch{r}/ckpt/rank-{r:05d}/step-{s:09d}" for s in (10, 20)]
+        assert got[r]["durable_after_wait"] is True
+    man = _manifest(base / "basic" / "step-000000020")
+    assert man.world_size == WORLD
+    assert {n.split("/")[0] for n in man.files} == {"rank-00000", "rank-00001"}
+    shards = man.extra["shards"]
+    assert sorted(shards) == ["rank-00000", "rank-00001"]
+    for r in range(WORLD):
+        where = shards[f"rank-{r:05d}"]
+        assert where["host"] == socket.gethostname()
+        assert where["staged_from"].endswith(f"basic-scratch{r}/ckpt/rank-{r:05d}/step-000000020")
+        assert where["bytes"] == sum(rec.size for n, rec in man.files.items() if n.startswith(f"rank-{r:05d}/"))
+    # No staging dir or temp dir is left once the checkpoint is committed.
+    assert sorted(p.name for p in (base / "basic").iterdir() if p.name.startswith(".") and "lock" not in p.name) == []
+    # TIER.json tells each node's epilog where its shards go.
+    for r in range(WORLD):
+        tier = json.loads((base / f"basic-scratch{r}" / "ckpt" / "TIER.json").read_text())
+        assert tier == {"durable": str(base / "basic")}
+
+
+def test_resume_reads_each_rank_its_own_shard_from_scratch_then_from_durable(main: dict[str, Any]) -> None:
+    base = main["base"]
+    for r in range(WORLD):
+        got = main["ranks"][r]["basic"]
+        # Same save on both tiers: read from the node-local shards.
+        assert got["local"] == {"step": 20, "rank": r, "w": [float(r * 100 + 20)] * 4,
+                                "path": f"{base}/basic-scratch{r}/ckpt/rank-{r:05d}/step-000000020"}  # fmt: skip
+        # Rank 1's scratch lost: every rank reads the durable copy, never rank 0's local shard alone.
+        assert got["after_loss"] == {"step": 20, "rank": r, "w": [float(r * 100 + 20)] * 4,
+                                     "path": f"{base}/basic/step-000000020"}  # fmt: skip
+
+
+def test_rank_without_scratch_saves_straight_to_durable_with_a_warning(main: dict[str, Any]) -> None:
+    base = main["base"]
+    r0, r1 = main["ranks"][0]["mixed"], main["ranks"][1]["mixed"]
+    assert r0["path"] == f"{base}/mixed-scratch0/ckpt/rank-00000/step-000000010"
+    # Rank 1's shard was committed in the durable staging dir before save() returned.
+    assert r1["path"].startswith(f"{base}/mixed/.shards-step-000000010-")
+    assert r1["path"].endswith("/rank-00001")
+    assert any("rank 1" in w and "no node-local scratch" in w for w in r1["warnings"]), r1["warnings"]
+    assert any("no node-local scratch on" in w for w in r0["warnings"]), r0["warnings"]
+    man = _manifest(base / "mixed" / "step-000000010")
+    assert man.extra["shards"]["rank-00001"]["staged_from"] is None  # written there directly
+    for r in range(WORLD):
+        assert main["ranks"][r]["mixed"]["loaded"] == {"step": 10, "w": [float(r * 100 + 10)] * 4}
+
+
+def test_a_failing_rank_fails_the_save_everywhere_and_leaves_no_shard(main: dict[str, Any]) -> None:
+    base = main["base"]
+    r0, r1 = main["ranks"][0]["fail"], main["ranks"][1]["fail"]
+    assert r1["error"] == "NoSpace"
+    assert r0["error"] == "ShardError" and "rank 1" in r0["message"]
+    # Rank 0's shard of the failed step was committed on its scratch, then dropped.
+    assert [p.name for p in (base / "fail-scratch0" / "ckpt" / "rank-00000").glob("step-*")] == []
+    assert [p.name for p in (base / "fail").glob("step-*")] == []
+    assert r0["loaded"] is None and r1["loaded"] is None
+
+
+def test_corrupt_shard_on_every_tier_moves_all_ranks_back_together(main: dict[str, Any]) -> None:
+    for r in range(WORLD):
+        got = main["ranks"][r]["corrupt"]
+        assert got["loaded"] == {"step": 10, "w": [float(r * 100 + 10)] * 4}, got
+        assert any("step-000000020" in s for s in got["skipped"]), got["skipped"]
+
+
+def test_with_the_drain_off_shards_stay_local_and_resume_uses_them(main: dict[str, Any]) -> None:
+    base = main["base"]
+    for r in range(WORLD):
+        got = main["ranks"][r]["nodrain"]
+        assert got["durable_after_wait"] is False
+        assert got["loaded"] == {"step": 30, "w": [float(r * 100 + 30)] * 4,
+                                 "path": f"{base}/nodrain-scratch{r}/ckpt/rank-{r:05d}/step-000000030"}  # fmt: skip
+        assert got["durable_steps"] == ["step-000000010"]
+
+
+def test_epilog_of_each_node_stages_its_shards_and_the_last_one_commits(main: dict[str, Any]) -> None:
+    """What ``slurm-ckpt node epilog`` runs per node, on the shards the drain left."""
+    from slurm_ckpt.node.shardstage import stage_shards
+    from slurm_ckpt.store import find_latest
+
+    base = main["base"]
+    durable = base / "nodrain"
+    start = time.monotonic()
+    first = stage_shards(base / "nodrain-scratch1" / "ckpt", durable, lock_timeout=5)
+    assert first.status == "staged" and "waiting for other nodes' shards" in first.detail, first
+    assert first.step is None
+    assert find_latest([durable]).step == 10  # one shard staged: not a checkpoint yet
+    second = stage_shards(base / "nodrain-scratch0" / "ckpt", durable, lock_timeout=5)
+    took = time.monotonic() - start
+    assert second.status == "staged" and second.step == 30, second
+    man = _manifest(durable / "step-000000030")
+    assert sorted(man.extra["shards"]) == ["rank-00000", "rank-00001"]
+    assert find_latest([durable]).step == 30
+    assert not list(durable.glob(".shards-step-*"))
+    # Idempotent: a second epilog run (or the other node's) finds it done.
+    for r in range(WORLD):
+        again = stage_shards(base / f"nodrain-scratch{r}" / "ckpt", durable, lock_timeout=5)
+        assert again.status == "up-to-date", again
+    print(f"\nstage-out of 2 nodes' shards (sequential, library level): {took:.3f} s")
+
+
+def test_epilog_stage_out_child_handles_shards_as_the_user(main: dict[str, Any]) -> None:
+    """The epilog's own stage-out (forked child with the user's ids, TIER.json) on each node."""
+    from slurm_ckpt.node.job import Job
+    from slurm_ckpt.node.stageout import stage_out
+
+    base = main["base"]
+    job = Job.from_env({"SLURM_JOB_ID": "4242", "SLURM_JOB_UID": str(os.getuid()),
+                        "SLURM_JOB_GID": str(os.getgid()), "SLURM_JOB_USER": _user()})  # fmt: skip
+    # No default durable dir: TIER.json on each node's scratch names the run dir.
+    first = stage_out(base / "nodrain2-scratch0" / "ckpt", None, job, timeout=30)
+    assert first.status == "staged" and first.step is None and first.scratch_disposable, first
+    second = stage_out(base / "nodrain2-scratch1" / "ckpt", None, job, timeout=30)
+    assert second.status == "staged" and second.step == 30, second
+    assert second.path == str(base / "nodrain2" / "step-000000030")
+    assert sorted(_manifest(base / "nodrain2" / "step-000000030").extra["shards"]) == ["rank-00000", "rank-00001"]
+    third = stage_out(base / "nodrain2-scratch0" / "ckpt", None, job, timeout=30)
+    assert third.status == "up-to-date" and third.scratch_disposable, third
+
+
+def _user() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+# ----------------------------------------------------------- death mid-save
+
+
+def test_node_death_mid_save_resume_returns_the_previous_whole_checkpoint(tmp_path: Path) -> None:
+    from slurm_ckpt.node.shardstage import stage_shards
+    from slurm_ckpt.store import find_latest
+
+    base = tmp_path
+    for r in range(WORLD):
+        (base / f"scratch{r}").mkdir()
+    procs = _spawn("death", base)
+    shard0 = base / "scratch0" / "ckpt" / "rank-00000" / "step-000000020"
+    inside = base / "rank1-inside-save"
+    deadline = time.monotonic() + 60
+    try:
+        while not ((shard0 / "MANIFEST.json").exists() and inside.exists()):
+            assert time.monotonic() < deadline, "rank 0 never committed its shard of step 20"
+            assert all(p.poll() is None for p in procs), _finish(procs)
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGKILL)  # the node dies with its shard half-saved
+        procs[1].wait(10)
+        try:
+            out0 = procs[0].communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            procs[0].kill()  # Slurm ends the job on the surviving node the same way
+            out0 = procs[0].communicate()[0]
+    finally:
+        _finish(procs, timeout=5)
+    # Rank 0's save never returned: gloo saw the peer go (or the job was ended around it).
+    if (base / "death-rank0.json").exists():
+        assert _results_one(base, "death", 0)["death"]["error"] in ("RuntimeError", "DistBackendError"), out0
+    durable = base / "run"
+    assert find_latest([durable]).step == 10
+    # The surviving node's epilog stages its shard; the set stays incomplete.
+    res = stage_shards(base / "scratch0" / "ckpt", durable, lock_timeout=5)
+    assert res.status == "staged" and "waiting for other nodes' shards" in res.detail, res
+    staged = list(durable.glob(".shards-step-000000020-*/rank-00000"))
+    assert len(staged) == 1 and not list(durable.glob(".shards-step-000000020-*/rank-00001"))
+    assert find_latest([durable]).step == 10
+    assert subprocess.run([str(Path(sys.executable).with_name("slurm-ckpt")), "resume", "--dir", str(durable)],
+                          capture_output=True, text=True, check=False).stdout.count("step-000000010") == 1  # fmt: skip
+
+    # A fresh pair (the requeued job, rank 0 back on the node that kept its shard).
+    procs = _spawn("resume", base)
+    outputs = _finish(procs)
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} failed:\n{outputs[r]}"
+    for r, got in enumerate(_results(base, "resume")):
+        assert got["resume"]["loaded"] == {"step": 10, "w": [float(r * 100 + 10)] * 4,
+                                 "path": f"{durable}/step-000000010"}, got  # fmt: skip
+
+
+def _results_one(base: Path, phase: str, rank: int) -> dict[str, Any]:
+    return dict(json.loads((base / f"{phase}-rank{rank}.json").read_text()))
+
+
+# ---------------------------------------------------------------- the worker
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _state(rank: int, step: int) -> dict[str, Any]:
+    import torch
+
+    return {"w": torch.full((4,), float(rank * 100 + step)), "rank": rank, "step": step}
+
+
+def _ckpt(run: Path, rank: int, *, scratch: bool = True, drain: bool = True) -> Any:
+    """A Checkpointer on durable ``run``, with this rank's own scratch ``<run>-scratch<rank>``."""
+    from slurm_ckpt import Checkpointer
+    from slurm_ckpt.config import Config
+
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, drain=drain))
+    mine = run.with_name(f"{run.name}-scratch{rank}")
+    mine.mkdir(exist_ok=True)
+    return Checkpointer(run, config=cfg, scratch=mine if scratch else False)
+
+
+def _loaded(ckpt: Any, state: Any, path: bool = False) -> dict[str, Any] | None:
+    if state is None:
+        return None
+    out = {"step": ckpt.loaded_step, "w": state["w"].tolist()}
+    if path:
+        out["path"] = str(ckpt.loaded_path)
+    return out
+
+
+def _basic(base: Path, rank: int) -> dict[str, Any]:
+    import shutil
+
+    import torch.distributed as dist
+
+    run = base / "basic"
+    ckpt = _ckpt(run, rank)
+    paths = [str(ckpt.save(_state(rank, s), step=s)) for s in (10, 20)]
+    ckpt.wait()  # this rank's shard is staged; the slower rank's drain assembles
+    dist.barrier()
+    durable = ckpt.is_durable(20)
+    ckpt.close()
+    again = _ckpt(run, rank)
+    state = again.load_latest()
+    local = {**(_loaded(again, state, path=True) or {}), "rank": state["rank"]}
+    again.close()
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(base / "basic-scratch1" / "ckpt" / "rank-00001")
+    dist.barrier()
+    third = _ckpt(run, rank)
+    state = third.load_latest()
+    after = {**(_loaded(third, state, path=True) or {}), "rank": state["rank"]}
+    third.close()
+    return {"paths": paths, "durable_after_wait": durable, "local": local, "after_loss": after}
+
+
+def _mixed(base: Path, rank: int) -> dict[str, Any]:
+    run = base / "mixed"
+    catch = _Warnings()
+    logging.getLogger("slurm_ckpt").addHandler(catch)
+    try:
+        ckpt = _ckpt(run, rank, scratch=rank == 0)
+    finally:
+        logging.getLogger("slurm_ckpt").removeHandler(catch)
+    path = str(ckpt.save(_state(rank, 10), step=10))
+    ckpt.close()
+    again = _ckpt(run, rank, scratch=rank == 0)
+    loaded = _loaded(again, again.load_latest())
+    again.close()
+    return {"path": path, "warnings": catch.messages, "loaded": loaded}
+
+
+def _fail(base: Path, rank: int) -> dict[str, Any]:
+    import errno
+
+    from slurm_ckpt.errors import NoSpace
+
+    run = base / "fail"
+    ckpt = _ckpt(run, rank)
+    out: dict[str, Any] = {}
+    try:
+        if rank == 1:
+
+            def write_failing(tmp: Path) -> Any:
+                raise NoSpace(errno.ENOSPC, "cannot write data file", tmp / "x")
+
+            ckpt.crossnode.commit(5, write_failing)
+        else:
+            ckpt.save(_state(rank, 5), step=5)
+    except Exception as e:
+        out = {"error": type(e).__name__, "message": str(e)}
+    ckpt.close()
+    again = _ckpt(run, rank)
+    out["loaded"] = _loaded(again, again.load_latest())
+    again.close()
+    return out
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _corrupt(base: Path, rank: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    run = base / "corrupt"
+    ckpt = _ckpt(run, rank)
+    for s in (10, 20):
+        ckpt.save(_state(rank, s), step=s)
+    ckpt.wait()
+    ckpt.close()
+    dist.barrier()
+    if rank == 1:  # rank 1's shard of step 20 is damaged on scratch and on the durable tier
+        for d in (base / "corrupt-scratch1" / "ckpt" / "rank-00001" / "step-000000020", run / "step-000000020" / "rank-00001"):
+            _flip_byte(next(d.glob("tensors-*.safetensors")))
+    dist.barrier()
+    skipped: list[Any] = []
+    again = _ckpt(run, rank)
+    loaded = _loaded(again, again.load_latest(skipped=skipped))
+    again.close()
+    return {"loaded": loaded, "skipped": [str(s.path) for s in skipped]}
+
+
+def _nodrain(base: Path, rank: int, name: str = "nodrain") -> dict[str, Any]:
+    import torch.distributed as dist
+
+    run = base / name
+    ckpt = _ckpt(run, rank)
+    ckpt.save(_state(rank, 10), step=10)
+    ckpt.close()
+    dist.barrier()  # both drains done: step 10 is assembled
+    off = _ckpt(run, rank, drain=False)
+    off.save(_state(rank, 30), step=30)
+    durable = off.drain(timeout=5)
+    off.close()
+    again = _ckpt(run, rank)
+    loaded = _loaded(again, again.load_latest(), path=True)
+    again.close()
+    steps = sorted(p.name for p in run.glob("step-*"))
+    return {"durable_after_wait": durable, "loaded": loaded, "durable_steps": steps}
+
+
+def _death(base: Path, rank: int) -> dict[str, Any]:
+    from slurm_ckpt import Checkpointer
+    from slurm_ckpt.config import Config
+
+    ckpt = Checkpointer(base / "run", config=Config(), scratch=base / f"scratch{rank}")
+    ckpt.save(_state(rank, 10), step=10)
+    ckpt.wait()
+    try:
+        if rank == 1:
+
+            def write_stalling(tmp: Path) -> Any:
+                # Half of the shard is on disk when the node dies.
+                (tmp / "tensors-00000.safetensors").write_bytes(b"\0" * 4096)
+                (base / "rank1-inside-save").touch()
+                time.sleep(120)
+                raise AssertionError("rank 1 should have been killed")
+
+            ckpt.crossnode.commit(20, write_stalling)
+        else:
+            ckpt.save(_state(rank, 20), step=20)
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"saved": 20}
+
+
+def _resume(base: Path, rank: int) -> dict[str, Any]:
+    from slurm_ckpt import Checkpointer
+    from slurm_ckpt.config import Config
+
+    # Rank 1 lands on a node without its old scratch (the dead node's is gone).
+    scratch = base / f"scratch{rank}" if rank == 0 else base / "fresh1"
+    scratch.mkdir(exist_ok=True)
+    ckpt = Checkpointer(base / "run", config=Config(), scratch=scratch)
+    loaded = _loaded(ckpt, ckpt.load_latest(), path=True)
+    ckpt.close()
+    return {"loaded": loaded}
+
+
+PHASES = {
+    "main": {"basic": _basic, "mixed": _mixed, "fail": _fail, "corrupt": _corrupt, "nodrain": _nodrain,
+             "nodrain2": lambda b, r: _nodrain(b, r, "nodrain2")},
+    "death": {"death": _death},
+    "resume": {"resume": _resume},
+}
+
+
+def _worker(phase: str, rank: int, world: int, port: int, base: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out: dict[str, Any] = {}
+    for name, fn in PHASES[phase].items():
+        out[name] = fn(base, rank)
+        (base / f"{phase}-rank{rank}.json").write_text(json.dumps(out))
+    if phase != "death":
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
