@@ -27,7 +27,9 @@ def _fmt(value: Any) -> str:
         value = f"{value:.2f}"
     elif isinstance(value, bool):
         value = int(value)
-    return shlex.quote(str(value))
+    # One event, one line, even for a command line holding a script.
+    text = str(value).replace("\r", "\\r").replace("\n", "\\n")
+    return shlex.quote(text)
 
 
 def parse_event(line: str) -> dict[str, str] | None:

@@ -2,7 +2,7 @@
 
 The loop sleeps in ``select`` on two fds: the signal wakeup socket (every
 trapped signal, SIGCHLD included, writes to it) and the control socket. Timers
-(``--preempt-after``, the deadline) are the select timeout. Nothing polls.
+(``--preempt-after``, the deadline) are the select timeout.
 """
 
 from __future__ import annotations
@@ -152,9 +152,12 @@ class Supervisor:
                 self.events.emit("deadline", committed=self.res.committed_step is not None,
                                  msg="the command did not exit before the deadline; ending it")  # fmt: skip
                 break
+            # The 1 s cap is a safety net only: a Python-level handler can run
+            # just after take() drained its wakeup byte; events normally wake us.
             timers = [t - now for t in (preempt_at, self.deadline) if t is not None]
+            timeout = max(min([*timers, 1.0]), 0)
             with contextlib.suppress(InterruptedError):
-                select.select([self.trap.fileno(), self.server.fileno()], [], [], max(min(timers), 0) if timers else None)
+                select.select([self.trap.fileno(), self.server.fileno()], [], [], timeout)
             for signum in self.trap.take():
                 self._on_signal(signal.Signals(signum))
             for msg in self.server.receive():

@@ -108,6 +108,19 @@ def test_async_sharded_save_from_background_thread(pair: dict[str, Any]) -> None
         assert got["loaded_weight"] == [float(r * 100 + 7)] * 4
 
 
+def test_rank_from_slurm_without_a_process_group(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from slurm_ckpt import Checkpointer
+
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    ckpt = Checkpointer(tmp_path / "run")
+    assert (ckpt.rank, ckpt.world_size) == (3, 4)
+    # No process group: each process saves on its own, nothing collective.
+    assert ckpt.maybe_save({"x": 1}, 10, every=5) is False
+    assert (tmp_path / "run" / "step-000000010").is_dir()
+    ckpt.close()
+
+
 # ---------------------------------------------------------------- the worker
 
 

@@ -224,6 +224,33 @@ def test_sigint_counts_as_cancel(tmp_path: Path) -> None:
     assert not r.of("restart")
 
 
+_PLAIN_CHILD = """
+import os, signal, sys, time
+from pathlib import Path
+from slurm_ckpt.store import RunDir
+from slurm_ckpt.store.codec import encode_state
+from slurm_ckpt.store.writer import write_state
+asked = []
+signal.signal(signal.SIGUSR1, lambda *a: asked.append(1))  # its own handler, no slurm_ckpt Control
+run = RunDir(os.environ["SLURM_CKPT_DIR"])
+if os.environ.get("SLURM_RESTART_COUNT"):
+    sys.exit(0)
+for step in range(1, 100000):
+    time.sleep(0.002)
+    if asked:
+        enc = encode_state({"step": step})
+        run.commit(step, lambda tmp: write_state(tmp, enc))
+        sys.exit(0)
+"""
+
+
+def test_a_child_without_the_library_gets_the_signal_and_its_checkpoint_counts(tmp_path: Path) -> None:
+    r = start(tmp_path, ["--local", "--preempt-after", "0.5"], [sys.executable, "-c", _PLAIN_CHILD]).finish()
+    assert r.code == 0, r.stderr
+    assert r.of("forward") and not r.of("ready") and not r.of("committed")
+    assert len(r.of("restart")) == 1  # progress found by scanning the run dir
+
+
 @pytest.mark.slow
 def test_dataloader_workers_survive_slurm_style_signals(tmp_path: Path) -> None:
     """Slurm signals every process of the step: USR1 then TERM to the trainer AND its workers."""

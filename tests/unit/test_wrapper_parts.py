@@ -59,13 +59,14 @@ def test_parse_signal() -> None:
 def test_events_are_one_parseable_line_each() -> None:
     out = io.StringIO()
     ev = Events(out, rank=0, run=1)
-    ev.emit("start", dir="/a b/c", flag=True, skip=None)
+    ev.emit("start", dir="/a b/c", flag=True, skip=None, cmd="python -c 'a\nb'")
     ev.request_time = time.monotonic()
     ev.emit("no-requeue", reason="max-requeues", msg="it's the 'limit'")
     lines = out.getvalue().splitlines()
     assert len(lines) == 2
     first, second = (parse_event(line) for line in lines)
-    assert first == {"event": "start", "rank": "0", "run": "1", "dir": "/a b/c", "flag": "1"}
+    assert first == {"event": "start", "rank": "0", "run": "1", "dir": "/a b/c", "flag": "1",
+                     "cmd": "python -c 'a\\nb'"}  # fmt: skip
     assert second is not None and second["msg"] == "it's the 'limit'" and float(second["t"]) >= 0
     assert parse_event("train: step 5") is None
 
