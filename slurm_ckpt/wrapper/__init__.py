@@ -144,7 +144,7 @@ def run_wrapper(
                 events.emit("requeue", via="slurm", already=True, msg=decision.detail)
                 return _exit(events, 0)
             if not decision.requeue:
-                if res.requested or decision.reason == "crashed":
+                if res.requested or res.cancelled or decision.reason == "crashed":
                     events.emit("no-requeue", reason=decision.reason, msg=decision.detail)
                 return _exit(events, res.code)
             if local:
@@ -174,7 +174,7 @@ def _decide(
     scanned = _newest_step(dirs)
     if scanned is not None and (new_step is None or scanned > new_step) and scanned != baseline:
         new_step = scanned  # a command that checkpoints without the library
-    crashed = not res.killed_at_deadline and res.status is not None and res.code != 0
+    crashed = not res.killed_at_deadline and not res.cancelled and res.status is not None and res.code != 0
     if crashed:
         return Decision(False, "crashed",
                         f"the command exited with code {res.code}; passing it through, no requeue")  # fmt: skip

@@ -71,15 +71,15 @@ class Decision:
 
 def decide_requeue(f: RunFacts) -> Decision:
     """Requeue only after a requested checkpoint that made progress, from rank 0, within limits."""
-    if not f.requested:
+    if not f.requested and not f.cancelled:
         return Decision(False, "not-requested",
                         "the command ended on its own (no checkpoint was requested)")  # fmt: skip
-    if f.rank != 0:
-        return Decision(False, "not-rank-0",
-                        f"rank {f.rank} never requeues; global rank 0 does")  # fmt: skip
     if f.cancelled:
         return Decision(False, "cancelled",
                         f"the job was cancelled ({f.cancelled}), not preempted")  # fmt: skip
+    if f.rank != 0:
+        return Decision(False, "not-rank-0",
+                        f"rank {f.rank} never requeues; global rank 0 does")  # fmt: skip
     if f.restarts >= f.max_requeues:
         return Decision(
             False, "max-requeues",
