@@ -76,7 +76,11 @@ class CrossNode:
         self._drain = drain
         """False (storage.drain): shards stay on scratch until the epilog stages them out."""
         self.rank, self.world = group.rank, group.world
-        self.fast = None if fast is None else RunDir(fast / sh.shard_name(group.rank), lock_timeout=lock_timeout)
+        self.fast = (
+            None
+            if fast is None
+            else RunDir(fast / sh.shard_name(group.rank), lock_timeout=lock_timeout)
+        )
         self._on_lag = on_lag
         self._cv = threading.Condition()
         self._pending: _Item | None = None
@@ -88,7 +92,9 @@ class CrossNode:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def setup(cls, group: _Group, durable: RunDir, fast: Path | None, **kwargs: Any) -> CrossNode | None:
+    def setup(
+        cls, group: _Group, durable: RunDir, fast: Path | None, **kwargs: Any
+    ) -> CrossNode | None:
         """Collective: a CrossNode when any rank has scratch, else None (``dist.py`` saves then).
 
         ``fast`` is this rank's fast-tier dir (``<scratch>/ckpt``) or None.
@@ -121,7 +127,9 @@ class CrossNode:
         """Every rank calls this for the same step; returns this rank's committed shard."""
         g = self.group
         save_id = g.broadcast(sh.new_save_id() if self.rank == 0 else None)
-        extra = sh.shard_extra(self.rank, self.world, save_id, tier="scratch" if self.fast else "durable")
+        extra = sh.shard_extra(
+            self.rank, self.world, save_id, tier="scratch" if self.fast else "durable"
+        )
         meta = {**meta, "world_size": self.world, "extra": extra}
         err: BaseException | None = None
         path: Path | None = None
@@ -129,7 +137,9 @@ class CrossNode:
             if self.fast is not None:
                 path = self.fast.commit(step, write, **meta)
             else:
-                path = sh.write_staged_shard(self.durable.path, step, save_id, self.rank, write, **meta)
+                path = sh.write_staged_shard(
+                    self.durable.path, step, save_id, self.rank, write, **meta
+                )
             report: tuple[str, str] = ("ok", str(path))
         except BaseException as e:  # reported to every rank, then re-raised here
             err, report = e, ("error", f"rank {self.rank} on {socket.gethostname()}: {e}")
@@ -159,7 +169,9 @@ class CrossNode:
 
     def protected(self) -> set[Path]:
         with self._cv:
-            return {i.shard.path for i in (self._pending, self._draining, self._newest) if i is not None}
+            return {
+                i.shard.path for i in (self._pending, self._draining, self._newest) if i is not None
+            }
 
     # -- the drain ---------------------------------------------------------------
     def _submit(self, item: _Item) -> None:
@@ -185,7 +197,14 @@ class CrossNode:
                     return
             try:
                 staged = sh.stage_shard(item.shard, self.durable.path)
-                done = sh.complete(self.durable.path, item.step, item.save_id, self.world, keep=self.keep)
+                done = sh.complete(
+                    self.durable.path,
+                    item.step,
+                    item.save_id,
+                    self.world,
+                    keep=self.keep,
+                    by="drain",
+                )
             except Exception as e:  # surfaced by the Checkpointer per storage.on_async_error
                 log.error("copying shard %s of step %d to the durable tier %s failed: %s; it stays on "
                           "scratch for the next save or the epilog", sh.shard_name(self.rank), item.step,
@@ -258,13 +277,19 @@ class CrossNode:
                     found.setdefault((s.step, s.save_id), s)
         return found
 
-    def load_latest(self, load: Load, skipped: list[Skipped] | None = None) -> tuple[Any, int, Path] | None:
+    def load_latest(
+        self, load: Load, skipped: list[Skipped] | None = None
+    ) -> tuple[Any, int, Path] | None:
         """(state, step, path) of the newest checkpoint every rank can load, or None."""
         g = self.group
         try:
             own = self._own_shards()
         except OSError as e:
-            log.warning("cannot list the shards of rank %d: %s; resuming from the durable tier", self.rank, e)
+            log.warning(
+                "cannot list the shards of rank %d: %s; resuming from the durable tier",
+                self.rank,
+                e,
+            )
             own = {}
         sets = g.all_gather(sorted((k[0], k[1], s.manifest.time) for k, s in own.items()))
         cands: list[tuple[str, int, str]] | str | None = None
@@ -323,7 +348,9 @@ def _candidates(sets: list[list[tuple[int, str, float]]], durable: Path,
         for s, sid, t in per_rank:
             if (s, sid) in common:
                 when[(s, sid)] = max(when.get((s, sid), 0.0), t)
-    ranked: list[tuple[int, float, int, str, str]] = [(s, when[(s, sid)], 1, "shards", sid) for s, sid in common]
+    ranked: list[tuple[int, float, int, str, str]] = [
+        (s, when[(s, sid)], 1, "shards", sid) for s, sid in common
+    ]
     for cand in iter_valid([durable], full=False, skipped=skipped):
         ranked.append((cand.step, cand.manifest.time, 0, "durable", str(cand.path)))
     ranked.sort(key=lambda c: (c[0], c[1], c[2]), reverse=True)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +65,7 @@ def has_shards(scratch_ckpt: Path) -> bool:
 
 def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float) -> ShardStage:
     """Stage every shard on this node that the durable tier still needs. Never raises."""
+    start = time.monotonic()
     try:
         newest = sh.newest_durable_step(durable)
     except OSError as e:
@@ -84,7 +87,14 @@ def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float) -> Shar
             name = f"{sh.shard_name(shard.rank)} step {shard.step}"
             try:
                 sh.stage_shard(shard, durable)
-                done = sh.complete(durable, shard.step, shard.save_id, shard.world, lock_timeout=lock_timeout)
+                done = sh.complete(
+                    durable,
+                    shard.step,
+                    shard.save_id,
+                    shard.world,
+                    lock_timeout=lock_timeout,
+                    by="epilog",
+                )
             except CheckpointCorrupt as e:
                 log.warning("not staging %s: %s", name, e)
                 continue
@@ -99,12 +109,13 @@ def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float) -> Shar
                     committed = (shard.step, str(done))
             else:
                 staged.append(f"{name} staged, waiting for other nodes' shards")
+    where = f"on {socket.gethostname()} in {time.monotonic() - start:.3f}s: "
     if errors:
         # Scratch must be kept: it may hold the only copy of a shard.
-        return ShardStage("failed", "; ".join(errors)[:2000])
+        return ShardStage("failed", where + "; ".join(errors)[:2000])
     if staged:
         step, path = committed if committed else (None, None)
-        return ShardStage("staged", "; ".join(staged)[:2000], step, path)
+        return ShardStage("staged", where + "; ".join(staged)[:2000], step, path)
     if seen:
         return ShardStage("up-to-date", f"{durable} has step {newest}", newest)
     return ShardStage("none", f"no valid shard in {scratch_ckpt}")

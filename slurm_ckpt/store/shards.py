@@ -34,6 +34,7 @@ import secrets
 import shutil
 import socket
 import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +118,11 @@ class LocalShard:
 def _as_shard(path: Path, man: Manifest) -> LocalShard | None:
     info = man.extra.get("shard")
     sid = man.extra.get("save_id")
-    if not isinstance(info, dict) or not isinstance(sid, str) or not re.fullmatch(r"[0-9a-f]{8,64}", sid):
+    if (
+        not isinstance(info, dict)
+        or not isinstance(sid, str)
+        or not re.fullmatch(r"[0-9a-f]{8,64}", sid)
+    ):
         return None
     try:
         return LocalShard(man.step, sid, int(info["rank"]), int(info["world_size"]), path, man)
@@ -211,7 +216,9 @@ def _commit_into(parent: Path, name: str, write: WriteFn, meta: dict[str, Any]) 
         # durable as the data it points at.
         files, tensors = write(tmp)
         # The shard's manifest last, fsynced: its presence is what "shard complete" means.
-        write_file_durably(tmp / MANIFEST, Manifest(files=files, tensors=tensors, **meta).to_bytes())
+        write_file_durably(
+            tmp / MANIFEST, Manifest(files=files, tensors=tensors, **meta).to_bytes()
+        )
         # fsync the temp dir so the names of the files just created survive a crash.
         fsync_dir(tmp)
         try:
@@ -297,14 +304,18 @@ class _AssemblyLock:
     """
 
     def __init__(self, durable: Path, timeout: float) -> None:
-        self._lock = filelock.FileLock(str(durable / ASSEMBLY_LOCK), timeout=timeout, thread_local=False)
+        self._lock = filelock.FileLock(
+            str(durable / ASSEMBLY_LOCK), timeout=timeout, thread_local=False
+        )
         self.path = durable / ASSEMBLY_LOCK
 
     def __enter__(self) -> None:
         try:
             self._lock.acquire()
         except filelock.Timeout:
-            raise LockHeld(f"{self.path}: another assembler kept the shard lock; is a stage-out stuck?") from None
+            raise LockHeld(
+                f"{self.path}: another assembler kept the shard lock; is a stage-out stuck?"
+            ) from None
         except OSError as e:
             raise storage_error(e, "cannot take the shard assembly lock", self.path) from e
 
@@ -320,12 +331,13 @@ def _committed_save(final: Path) -> Manifest | None:
 
 
 def complete(durable: Path, step: int, save_id: str, world: int, *, keep: int | None = None,
-             lock_timeout: float = 60.0) -> Path | None:  # fmt: skip
+             lock_timeout: float = 60.0, by: str = "") -> Path | None:  # fmt: skip
     """Commit checkpoint ``step`` from its staged shards if all ``world`` are there.
 
     Returns the committed ``step-N`` (also when someone else committed this
     save before), or None while shards are missing. With ``keep``, retention
-    runs on the durable run dir afterwards.
+    runs on the durable run dir afterwards. ``by`` (drain, epilog) goes into
+    the manifest's ``assembled_by``.
     """
     stage = staging_dir(durable, step, save_id)
     final = step_dir(durable, step)
@@ -350,10 +362,12 @@ def complete(durable: Path, step: int, save_id: str, world: int, *, keep: int | 
             log.info("not assembling %s: %s holds a newer save of step %d", stage, final, step)
             prune_staging(durable, step)
             return None
-        man = _merged(step, save_id, world, shards, when)
+        man = _merged(step, save_id, world, shards, when, by)
         # Every shard is committed (fsynced, renamed) in the staging dir. Only now
         # may the manifest that makes the checkpoint whole be written: last, fsynced.
-        (stage / MANIFEST).unlink(missing_ok=True)  # left by an assembler that died before the rename
+        (stage / MANIFEST).unlink(
+            missing_ok=True
+        )  # left by an assembler that died before the rename
         write_file_durably(stage / MANIFEST, man.to_bytes())
         # fsync the dir so the manifest's name survives a crash.
         fsync_dir(stage)
@@ -370,21 +384,25 @@ def complete(durable: Path, step: int, save_id: str, world: int, *, keep: int | 
     return final
 
 
-def _merged(step: int, save_id: str, world: int, shards: list[LocalShard], when: float) -> Manifest:
+def _merged(
+    step: int, save_id: str, world: int, shards: list[LocalShard], when: float, by: str
+) -> Manifest:
     files: dict[str, FileRecord] = {}
     tensors: dict[str, Any] = {}
     where: dict[str, Any] = {}
     for s in shards:
         prefix = shard_name(s.rank) + "/"
         files.update({prefix + n: r for n, r in s.manifest.files.items()})
-        tensors.update({prefix + k: {**v, "file": prefix + v["file"]} for k, v in s.manifest.tensors.items()})
+        tensors.update(
+            {prefix + k: {**v, "file": prefix + v["file"]} for k, v in s.manifest.tensors.items()}
+        )
         where[shard_name(s.rank)] = {
             "rank": s.rank, "host": s.manifest.host, "staged_from": s.manifest.extra.get("staged_from"),
             "files": len(s.manifest.files), "bytes": sum(r.size for r in s.manifest.files.values()),
         }  # fmt: skip
     first = shards[0].manifest
-    extra = {"save_id": save_id, "shards": where,
-             "assembled_by": f"{socket.gethostname()} pid {os.getpid()}"}  # fmt: skip
+    extra = {"save_id": save_id, "shards": where, "assembled_at": time.time(),
+             "assembled_by": " ".join(filter(None, [socket.gethostname(), by, f"pid {os.getpid()}"]))}  # fmt: skip
     return Manifest(step=step, files=files, tensors=tensors, time=when, host=first.host, job_id=first.job_id,
                     world_size=world, nbytes=sum(s.manifest.nbytes for s in shards), extra=extra)  # fmt: skip
 

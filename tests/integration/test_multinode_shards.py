@@ -42,7 +42,9 @@ def _free_port() -> int:
 
 def _spawn(phase: str, base: Path) -> list[subprocess.Popen[str]]:
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))
+    }
     env["PYTHONPATH"] = str(HERE.parents[2])
     return [subprocess.Popen([sys.executable, str(HERE), phase, str(r), str(WORLD), str(port), str(base)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -72,7 +74,8 @@ def main(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     procs = _spawn("main", base)
     outputs = _finish(procs)
     assert [p.returncode for p in procs] == [0] * WORLD, "\n".join(
-        f"----- rank {r} exited {p.returncode}:\n{outputs[r]}" for r, p in enumerate(procs))
+        f"----- rank {r} exited {p.returncode}:\n{outputs[r]}" for r, p in enumerate(procs)
+    )
     return {"base": base, "ranks": _results(base, "main")}
 
 
@@ -82,12 +85,16 @@ def _manifest(path: Path) -> Any:
     return verify_checkpoint(path, full=True)
 
 
-def test_each_rank_saves_to_its_own_scratch_and_the_drain_assembles_one_checkpoint(main: dict[str, Any]) -> None:
+def test_each_rank_saves_to_its_own_scratch_and_the_drain_assembles_one_checkpoint(
+    main: dict[str, Any],
+) -> None:
     base = main["base"]
     got = [main["ranks"][r]["basic"] for r in range(WORLD)]
     for r in range(WORLD):
         # save() returned this rank's shard, committed on its own node's scratch.
-        assert got[r]["paths"] == [f"{base}/basic-scratch{r}/ckpt/rank-{r:05d}/step-{s:09d}" for s in (10, 20)]
+        assert got[r]["paths"] == [
+            f"{base}/basic-scratch{r}/ckpt/rank-{r:05d}/step-{s:09d}" for s in (10, 20)
+        ]
         assert got[r]["durable_after_wait"] is True
     man = _manifest(base / "basic" / "step-000000020")
     assert man.world_size == WORLD
@@ -98,16 +105,27 @@ def test_each_rank_saves_to_its_own_scratch_and_the_drain_assembles_one_checkpoi
         where = shards[f"rank-{r:05d}"]
         assert where["host"] == socket.gethostname()
         assert where["staged_from"].endswith(f"basic-scratch{r}/ckpt/rank-{r:05d}/step-000000020")
-        assert where["bytes"] == sum(rec.size for n, rec in man.files.items() if n.startswith(f"rank-{r:05d}/"))
+        assert where["bytes"] == sum(
+            rec.size for n, rec in man.files.items() if n.startswith(f"rank-{r:05d}/")
+        )
     # No staging dir or temp dir is left once the checkpoint is committed.
-    assert sorted(p.name for p in (base / "basic").iterdir() if p.name.startswith(".") and "lock" not in p.name) == []
+    assert (
+        sorted(
+            p.name
+            for p in (base / "basic").iterdir()
+            if p.name.startswith(".") and "lock" not in p.name
+        )
+        == []
+    )
     # TIER.json tells each node's epilog where its shards go.
     for r in range(WORLD):
         tier = json.loads((base / f"basic-scratch{r}" / "ckpt" / "TIER.json").read_text())
         assert tier == {"durable": str(base / "basic")}
 
 
-def test_resume_reads_each_rank_its_own_shard_from_scratch_then_from_durable(main: dict[str, Any]) -> None:
+def test_resume_reads_each_rank_its_own_shard_from_scratch_then_from_durable(
+    main: dict[str, Any],
+) -> None:
     base = main["base"]
     for r in range(WORLD):
         got = main["ranks"][r]["basic"]
@@ -119,14 +137,18 @@ def test_resume_reads_each_rank_its_own_shard_from_scratch_then_from_durable(mai
                                      "path": f"{base}/basic/step-000000020"}  # fmt: skip
 
 
-def test_rank_without_scratch_saves_straight_to_durable_with_a_warning(main: dict[str, Any]) -> None:
+def test_rank_without_scratch_saves_straight_to_durable_with_a_warning(
+    main: dict[str, Any],
+) -> None:
     base = main["base"]
     r0, r1 = main["ranks"][0]["mixed"], main["ranks"][1]["mixed"]
     assert r0["path"] == f"{base}/mixed-scratch0/ckpt/rank-00000/step-000000010"
     # Rank 1's shard was committed in the durable staging dir before save() returned.
     assert r1["path"].startswith(f"{base}/mixed/.shards-step-000000010-")
     assert r1["path"].endswith("/rank-00001")
-    assert any("rank 1" in w and "no node-local scratch" in w for w in r1["warnings"]), r1["warnings"]
+    assert any("rank 1" in w and "no node-local scratch" in w for w in r1["warnings"]), r1[
+        "warnings"
+    ]
     assert any("no node-local scratch on" in w for w in r0["warnings"]), r0["warnings"]
     man = _manifest(base / "mixed" / "step-000000010")
     assert man.extra["shards"]["rank-00001"]["staged_from"] is None  # written there directly
@@ -162,7 +184,9 @@ def test_with_the_drain_off_shards_stay_local_and_resume_uses_them(main: dict[st
         assert got["durable_steps"] == ["step-000000010"]
 
 
-def test_epilog_of_each_node_stages_its_shards_and_the_last_one_commits(main: dict[str, Any]) -> None:
+def test_epilog_of_each_node_stages_its_shards_and_the_last_one_commits(
+    main: dict[str, Any],
+) -> None:
     """What ``slurm-ckpt node epilog`` runs per node, on the shards the drain left."""
     from slurm_ckpt.node.shardstage import stage_shards
     from slurm_ckpt.store import find_latest
@@ -202,7 +226,10 @@ def test_epilog_stage_out_child_handles_shards_as_the_user(main: dict[str, Any])
     second = stage_out(base / "nodrain2-scratch1" / "ckpt", None, job, timeout=30)
     assert second.status == "staged" and second.step == 30, second
     assert second.path == str(base / "nodrain2" / "step-000000030")
-    assert sorted(_manifest(base / "nodrain2" / "step-000000030").extra["shards"]) == ["rank-00000", "rank-00001"]
+    assert sorted(_manifest(base / "nodrain2" / "step-000000030").extra["shards"]) == [
+        "rank-00000",
+        "rank-00001",
+    ]
     third = stage_out(base / "nodrain2-scratch0" / "ckpt", None, job, timeout=30)
     assert third.status == "up-to-date" and third.scratch_disposable, third
 
@@ -243,7 +270,10 @@ def test_node_death_mid_save_resume_returns_the_previous_whole_checkpoint(tmp_pa
         _finish(procs, timeout=5)
     # Rank 0's save never returned: gloo saw the peer go (or the job was ended around it).
     if (base / "death-rank0.json").exists():
-        assert _results_one(base, "death", 0)["death"]["error"] in ("RuntimeError", "DistBackendError"), out0
+        assert _results_one(base, "death", 0)["death"]["error"] in (
+            "RuntimeError",
+            "DistBackendError",
+        ), out0
     durable = base / "run"
     assert find_latest([durable]).step == 10
     # The surviving node's epilog stages its shard; the set stays incomplete.
@@ -394,7 +424,10 @@ def _corrupt(base: Path, rank: int) -> dict[str, Any]:
     ckpt.close()
     dist.barrier()
     if rank == 1:  # rank 1's shard of step 20 is damaged on scratch and on the durable tier
-        for d in (base / "corrupt-scratch1" / "ckpt" / "rank-00001" / "step-000000020", run / "step-000000020" / "rank-00001"):
+        for d in (
+            base / "corrupt-scratch1" / "ckpt" / "rank-00001" / "step-000000020",
+            run / "step-000000020" / "rank-00001",
+        ):
             _flip_byte(next(d.glob("tensors-*.safetensors")))
     dist.barrier()
     skipped: list[Any] = []
@@ -462,8 +495,14 @@ def _resume(base: Path, rank: int) -> dict[str, Any]:
 
 
 PHASES = {
-    "main": {"basic": _basic, "mixed": _mixed, "fail": _fail, "corrupt": _corrupt, "nodrain": _nodrain,
-             "nodrain2": lambda b, r: _nodrain(b, r, "nodrain2")},
+    "main": {
+        "basic": _basic,
+        "mixed": _mixed,
+        "fail": _fail,
+        "corrupt": _corrupt,
+        "nodrain": _nodrain,
+        "nodrain2": lambda b, r: _nodrain(b, r, "nodrain2"),
+    },
     "death": {"death": _death},
     "resume": {"resume": _resume},
 }
@@ -472,7 +511,9 @@ PHASES = {
 def _worker(phase: str, rank: int, world: int, port: int, base: Path) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     out: dict[str, Any] = {}
     for name, fn in PHASES[phase].items():
         out[name] = fn(base, rank)
