@@ -240,6 +240,51 @@ def _user() -> str:
     return pwd.getpwuid(os.getuid()).pw_name
 
 
+def _commit_local_shard(scratch: Path, rank: int, step: int, save_id: str, value: int) -> Any:
+    """What a rank's save commits on its node (CrossNode.commit without the collectives)."""
+    from slurm_ckpt.store import RunDir
+    from slurm_ckpt.store import shards as sh
+    from slurm_ckpt.store.codec import encode_state
+    from slurm_ckpt.store.writer import write_state
+
+    enc = encode_state({"v": value, "rank": rank})
+    rd = RunDir(scratch / "ckpt" / sh.shard_name(rank))
+    path = rd.commit(step, lambda tmp: write_state(tmp, enc), world_size=WORLD,
+                     extra=sh.shard_extra(rank, WORLD, save_id))  # fmt: skip
+    rd.unlock()
+    return path
+
+
+def test_an_older_save_of_the_same_step_never_replaces_a_newer_one(tmp_path: Path) -> None:
+    """Two saves of step 50 (a run resumed from an older step saved it again): the
+    staged set of the older save must not overwrite the newer committed one."""
+    from slurm_ckpt.node.shardstage import stage_shards
+    from slurm_ckpt.store import Manifest
+    from slurm_ckpt.store import shards as sh
+
+    durable = tmp_path / "run"
+    durable.mkdir()
+    old_id, new_id = sh.new_save_id(), sh.new_save_id()
+    for r in range(WORLD):
+        _commit_local_shard(tmp_path / f"old{r}", r, 50, old_id, value=1)
+    time.sleep(0.01)  # distinct manifest times (ordering only, not synchronisation)
+    for r in range(WORLD):
+        _commit_local_shard(tmp_path / f"new{r}", r, 50, new_id, value=2)
+        (tmp_path / f"new{r}" / "ckpt" / "TIER.json").write_text(json.dumps({"durable": str(durable)}))
+    for r in range(WORLD):
+        assert stage_shards(tmp_path / f"new{r}" / "ckpt", durable, 5).status == "staged"
+    assert Manifest.read(durable / "step-000000050").extra["save_id"] == new_id
+    # The old save's shards arrive late (a slow node): staged, but never assembled over it.
+    for r in range(WORLD):
+        shard = next(sh.local_shards(tmp_path / f"old{r}" / "ckpt" / sh.shard_name(r)))
+        sh.stage_shard(shard, durable)
+    assert sh.complete(durable, 50, old_id, WORLD) is None
+    assert Manifest.read(durable / "step-000000050").extra["save_id"] == new_id
+    assert not list(durable.glob(".shards-step-*"))  # the obsolete staging dir is gone
+    # Complete again: idempotent, returns the committed step.
+    assert sh.complete(durable, 50, new_id, WORLD) == durable / "step-000000050"
+
+
 # ----------------------------------------------------------- death mid-save
 
 
