@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import CheckpointCorrupt, storage_error
 from .commit import commit
-from .fsutil import fsync_file
+from .fsutil import fsync_dir, fsync_file
 from .manifest import Manifest
 from .tensorfile import CHUNK, FileRecord
 from .verify import verify_checkpoint
@@ -67,9 +67,18 @@ def copy_checkpoint(src: Path, dst_run_dir: Path) -> Path:
 
     def write(tmp: Path) -> tuple[dict[str, FileRecord], dict[str, Any]]:
         files = {}
+        subdirs = set()
         for name, rec in man.files.items():
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            parent = (tmp / name).parent
+            if parent != tmp:
+                parent.mkdir(parents=True, exist_ok=True)
+                subdirs.add(parent)
             files[name] = _copy_file(src / name, tmp / name, rec)
+        # Shard subdirs (rank-NNNNN/) hold file entries of their own: fsync them
+        # too, or the files in them can vanish after a crash even though the
+        # manifest that lists them survived. commit() fsyncs only the top dir.
+        for d in sorted(subdirs, key=lambda p: len(p.parts), reverse=True):
+            fsync_dir(d)
         return files, man.tensors
 
     extra = dict(man.extra, copied_from=str(src))
