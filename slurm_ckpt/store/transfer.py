@@ -69,10 +69,11 @@ def copy_checkpoint(src: Path, dst_run_dir: Path) -> Path:
         files = {}
         subdirs = set()
         for name, rec in man.files.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             parent = (tmp / name).parent
-            if parent != tmp:
-                parent.mkdir(parents=True, exist_ok=True)
+            while parent != tmp:
                 subdirs.add(parent)
+                parent = parent.parent
             files[name] = _copy_file(src / name, tmp / name, rec)
         # Shard subdirs (rank-NNNNN/) hold file entries of their own: fsync them
         # too, or the files in them can vanish after a crash even though the
