@@ -100,7 +100,8 @@ def _prepare(ctx: HookContext, base_fd: int, state_fd: int) -> JobReport:
             report.size = 0
             report.warnings.append(f"no node-local scratch on this node: {e.strerror}")
     report.io_cgroup = _io_limits(ctx)
-    space.join(ctx.deadline.left())
+    # The check runs since the start of _prepare; give it what is left of check_timeout.
+    space.join(max(0.0, min(sc.check_timeout - ctx.deadline.elapsed_ms() / 1000, ctx.deadline.left())))
     if space.is_alive():
         report.warnings.append(f"the checkpoint storage check did not finish in {sc.check_timeout:.0f}s "
                                f"({ctx.cfg.storage.root} slow or hung?)")  # fmt: skip

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.faultfs.fixtures import fault_dir, faultfs  # noqa: F401 - fixtures
 from tests.node.helpers import User, need_root, sh
 
 

@@ -22,6 +22,7 @@ from slurm_ckpt.node.job import Job
 from slurm_ckpt.node.mounts import mount_of
 from slurm_ckpt.node.quota import get_project, parse_quota_lines, set_project, user_quota
 from slurm_ckpt.node.space import check_shared, newest_checkpoint_size
+from tests.faultfs.control import FaultFS
 from tests.node.helpers import User, make_cfg, owned_tree, sh, write_ckpt
 
 MiB = 2**20
@@ -119,3 +120,20 @@ def test_expected_size_comes_from_the_newest_checkpoint(pub_tmp: Path, user: Use
     # A link planted in place of the job dir is not followed, even to a real run dir.
     (root / user.name / "job_503").symlink_to(root / user.name / "job_502")
     assert newest_checkpoint_size(str(root), user.name, "job_503") == (0, 0)
+
+
+def test_a_hung_storage_check_costs_the_prolog_only_check_timeout(
+    fault_dir: Path, faultfs: FaultFS, pub_tmp: Path, user: User
+) -> None:
+    """storage.root on the fault-injecting FUSE fs, where statfs stalls as on a hung NFS."""
+    import time
+
+    cfg = make_cfg(pub_tmp / "scratch", fault_dir, check_timeout=0.5)
+    with faultfs.faults({"op": "statfs", "delay": 4}):
+        t0 = time.monotonic()
+        report = run_prolog(user.env("503"), cfg)
+        took = time.monotonic() - t0
+    assert took < 3, f"the prolog waited {took:.1f}s for a stalled statfs"
+    assert report is not None and report.scratch  # the job still gets its scratch
+    assert any("did not finish in 0s" in w or "did not finish in 1s" in w for w in report.warnings)
+    run_epilog(user.env("503"), cfg)
