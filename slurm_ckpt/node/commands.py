@@ -21,15 +21,19 @@ def which(name: str) -> str | None:
     return shutil.which(name, path=SYSTEM_PATH)
 
 
-def run(argv: list[str], timeout: float) -> tuple[int, str]:
-    """Run ``argv``; return (exit status, stdout+stderr). 127: not installed, 124: timed out."""
+def run(argv: list[str], timeout: float, pass_fds: tuple[int, ...] = ()) -> tuple[int, str]:
+    """Run ``argv``; return (exit status, stdout+stderr). 127: not installed, 124: timed out.
+
+    ``pass_fds`` keep their numbers in the child, for ``/proc/self/fd/N`` arguments.
+    """
     exe = which(argv[0])
     if exe is None:
         return 127, f"{argv[0]}: not found in {SYSTEM_PATH}"
     try:
         p = subprocess.run([exe, *argv[1:]], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, errors="replace",
-                           timeout=max(timeout, 0.1), env={"PATH": SYSTEM_PATH, "LC_ALL": "C"})  # fmt: skip
+                           timeout=max(timeout, 0.1), env={"PATH": SYSTEM_PATH, "LC_ALL": "C"},
+                           pass_fds=pass_fds)  # fmt: skip
     except subprocess.TimeoutExpired:
         log.warning("%s timed out after %.1fs", argv[0], timeout)
         return 124, f"{argv[0]}: timed out after {timeout:.1f}s"

@@ -82,7 +82,8 @@ class Ledger:
     def _write(self, entries: dict[str, dict[str, Any]]) -> None:
         tmp = self.path.with_name(f".{LEDGER}.{os.getpid()}")
         try:
-            with open(tmp, "w") as f:
+            # 0600: the state dir can be traversed by all, and this names every job's user.
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "w") as f:
                 json.dump(entries, f, indent=1, sort_keys=True)
                 f.flush()
                 # fsync + rename: a power cut leaves the old or the new ledger, never half.

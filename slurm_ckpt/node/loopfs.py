@@ -42,32 +42,35 @@ def is_mount_point(base_fd: int, name: str) -> bool:
     return st.st_dev != os.fstat(base_fd).st_dev
 
 
-def mount_image(base: Path, name: str, size: int, fstype: str, timeout: float) -> None:
-    """Make a ``size``-byte ``fstype`` image and mount it on ``<base>/<name>`` (must exist).
+def mount_image(base: Path, name: str, target_fd: int, size: int, fstype: str, timeout: float) -> None:
+    """Make a ``size``-byte ``fstype`` image and mount it on the directory ``target_fd``.
 
-    The image lives in the root-only ``<base>/.slurm-ckpt/img``; the mount
-    is nosuid,nodev so nothing the job writes there gains privileges.
+    ``target_fd`` is ``<base>/<name>`` opened with ``O_NOFOLLOW``; the mount
+    goes onto ``/proc/self/fd/N`` uncanonicalized, so it lands on that very
+    directory even if the name were swapped for a link meanwhile. The image
+    lives in the root-only ``<base>/.slurm-ckpt/img``; the mount is
+    nosuid,nodev so nothing the job writes there gains privileges.
     """
     if fstype not in _MKFS:
         raise StorageError(errno.EINVAL, f"scratch.loop_fstype {fstype!r} not one of {sorted(_MKFS)}")
     img_dir = base / STATE_DIR / IMAGE_DIR
     img = img_dir / f"{name}.img"
-    target = str(base / name)
-    mount = ["mount", "-t", fstype, "-o", "loop,nosuid,nodev,noatime", str(img), target]
+    mount = ["mount", "--no-canonicalize", "-t", fstype, "-o", "loop,nosuid,nodev,noatime", str(img),
+             f"/proc/self/fd/{target_fd}"]  # fmt: skip
     try:
         img_dir.mkdir(mode=0o700, exist_ok=True)
         fd = os.open(img, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except FileExistsError:
         # Kept by an epilog that could not stage out, then unmounted (a reboot):
         # it may hold the only copy of a checkpoint, so mount it as it is.
-        rc, out = commands.run(mount, timeout)
+        rc, out = commands.run(mount, timeout, (target_fd,))
         if rc == 0:
             log.info("re-mounted kept scratch image %s", img)
             return
         aside = img.with_name(f"{img.name}.unmountable")
         log.error("kept image %s does not mount (%s); moved to %s", img, out.strip(), aside)
         os.replace(img, aside)
-        return mount_image(base, name, size, fstype, timeout)
+        return mount_image(base, name, target_fd, size, fstype, timeout)
     except OSError as e:
         raise storage_error(e, "cannot create scratch image", img) from e
     try:
@@ -85,7 +88,7 @@ def mount_image(base: Path, name: str, size: int, fstype: str, timeout: float) -
     finally:
         os.close(fd)
     for argv in ([*_MKFS[fstype], str(img)], mount):
-        rc, out = commands.run(argv, timeout)
+        rc, out = commands.run(argv, timeout, (target_fd,))
         if rc:
             img.unlink(missing_ok=True)
             raise StorageError(errno.EIO, f"{argv[0]} failed ({rc}): {out.strip()[-300:]}", img)

@@ -119,7 +119,7 @@ def _make_scratch(ctx: HookContext, base_fd: int, size: int) -> str:
             mode = "quota" if quota.has_project_quota(mount) else "none"
         if mode == "loop":
             if not loopfs.is_mount_point(base_fd, job.dir_name):
-                loopfs.mount_image(ctx.base, job.dir_name, size, sc.loop_fstype, ctx.deadline.left(2.0))
+                loopfs.mount_image(ctx.base, job.dir_name, fd, size, sc.loop_fstype, ctx.deadline.left(2.0))
             os.close(fd)
             fd = -1
             # The mounted filesystem's root is a new inode owned by root: hand it over too.

@@ -205,3 +205,28 @@ def test_epilog_removes_only_this_jobs_metrics_files(pub_tmp: Path, user: User) 
     run_prolog(user.env("601"), cfg)
     run_epilog(user.env("601"), cfg)
     assert sorted(p.name for p in prom.iterdir()) == ["other.prom", "slurm_ckpt_6011_0.prom"]
+
+
+def test_loop_mount_lands_on_the_opened_dir_even_if_the_name_is_swapped(
+    loop_fs: Callable[..., Path], pub_tmp: Path
+) -> None:
+    from slurm_ckpt.node.loopfs import mount_image, unmount_image
+
+    base = loop_fs("ext4", "256M")
+    (base / ".slurm-ckpt").mkdir(mode=0o711)
+    victim = pub_tmp / "victim"
+    victim.mkdir()
+    (base / "job_9").mkdir()
+    fd = os.open(base / "job_9", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        # The race a writable base would allow: the name now points elsewhere.
+        (base / "job_9").rename(base / "moved")
+        (base / "job_9").symlink_to(victim)
+        mount_image(base, "job_9", fd, 16 * MiB, "ext4", 30)
+    finally:
+        os.close(fd)
+    points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    assert str(base / "moved") in points and str(victim) not in points
+    sh("umount", str(base / "moved"))
+    unmount_image(base, "job_9", 30)
+    assert not list((base / ".slurm-ckpt" / "img").iterdir())

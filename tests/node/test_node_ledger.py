@@ -25,6 +25,7 @@ def test_grants_within_capacity_then_shrinks(tmp_path: Path) -> None:
     assert g.warning and "asked for 50.0MiB" in g.warning and "30.0MiB" in g.warning
     assert reserve(led, "3", 5 * MiB) == 0  # nothing left
     assert set(led.entries()) == {"1", "2"}
+    assert (tmp_path / "ledger.json").stat().st_mode & 0o777 == 0o600
 
 
 def test_policy_none_and_min_size(tmp_path: Path) -> None:
