@@ -95,19 +95,27 @@ def mount_image(base: Path, name: str, target_fd: int, size: int, fstype: str, t
 
 
 def unmount_image(base: Path, name: str, timeout: float) -> None:
-    """Unmount ``<base>/<name>`` (lazily if still busy) and delete its image. Idempotent."""
-    target = base / name
+    """Detach the filesystem on ``<base>/<name>`` and delete its image. Idempotent.
+
+    The mount point is opened with ``O_NOFOLLOW`` and detached through
+    ``/proc/self/fd/N``, so a link planted at the name cannot point the
+    unmount elsewhere. Detaching is lazy (``MNT_DETACH``): the stage-out is
+    over, and a straggler holding a file must not keep the node's disk busy.
+    """
     base_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        mounted = is_mount_point(base_fd, name)
-    finally:
-        os.close(base_fd)
-    if mounted:
-        rc, out = commands.run(["umount", str(target)], timeout)
-        if rc:
-            log.warning("umount %s failed (%s); detaching lazily", target, out.strip())
-            rc, out = commands.run(["umount", "-l", str(target)], timeout)
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=base_fd)
+    except OSError:
+        fd = -1  # absent, or not a plain directory: nothing of ours is mounted there
+    try:
+        if fd >= 0 and os.fstat(fd).st_dev != os.fstat(base_fd).st_dev:
+            rc, out = commands.run(["umount", "--no-canonicalize", "-l", f"/proc/self/fd/{fd}"],
+                                   timeout, (fd,))  # fmt: skip
             if rc:
-                raise StorageError(errno.EBUSY, f"cannot unmount scratch: {out.strip()}", target)
+                raise StorageError(errno.EBUSY, f"cannot unmount scratch: {out.strip()}", base / name)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        os.close(base_fd)
     with contextlib.suppress(FileNotFoundError):
         (base / STATE_DIR / IMAGE_DIR / f"{name}.img").unlink()
