@@ -3,6 +3,7 @@ v2 mount has no io controller, so its io files cannot exist here)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
@@ -40,6 +41,8 @@ def job_dir(blkio: Path) -> Iterator[str]:
         for pid in (cg / "cgroup.procs").read_text().split():
             (blkio / "cgroup.procs").write_text(pid)
         cg.rmdir()
+    with contextlib.suppress(OSError):  # the shared parent, unless a real job uses it
+        (blkio / V1_PARENT).rmdir()
 
 
 def timed_dd(user: User, target: Path, count: int, cgroup: Path | None) -> float:
@@ -118,6 +121,8 @@ def test_prolog_sets_up_epilog_removes_the_v1_cgroup(pub_tmp: Path, user: User, 
         assert f"export SLURM_CKPT_IO_CGROUP={cg}" in lines
     finally:
         run_epilog(user.env(job), cfg)
+        with contextlib.suppress(OSError):
+            (blkio / V1_PARENT).rmdir()
     assert not (blkio / V1_PARENT / f"job_{job}").exists()
 
 
