@@ -91,7 +91,9 @@ def mount_image(base: Path, name: str, target_fd: int, size: int, fstype: str, t
         rc, out = commands.run(argv, timeout, (target_fd,))
         if rc:
             img.unlink(missing_ok=True)
-            raise StorageError(errno.EIO, f"{argv[0]} failed ({rc}): {out.strip()[-300:]}", img)
+            # Not EIO: a missing mkfs or no free loop device costs this job its
+            # scratch, but is no reason to drain the node.
+            raise StorageError(errno.EOPNOTSUPP, f"{argv[0]} failed ({rc}): {out.strip()[-300:]}", img)
 
 
 def unmount_image(base: Path, name: str, timeout: float) -> None:

@@ -230,3 +230,14 @@ def test_loop_mount_lands_on_the_opened_dir_even_if_the_name_is_swapped(
     sh("umount", str(base / "moved"))
     unmount_image(base, "job_9", 30)
     assert not list((base / ".slurm-ckpt" / "img").iterdir())
+
+
+def test_a_failing_mkfs_costs_the_job_its_scratch_not_the_node(loop_fs: Callable[..., Path], user: User) -> None:
+    base = loop_fs("ext4", "256M")
+    cfg = make_cfg(base, enforce="loop", loop_fstype="xfs")  # mkfs.xfs refuses under 300 MiB
+    report = run_prolog(user.env("701", SLURM_JOB_COMMENT="ckpt_scratch=16M"), cfg)
+    assert report is not None and report.scratch is None and report.size == 0
+    assert any("mkfs.xfs failed" in w for w in report.warnings)
+    assert "701" not in ledger(base)
+    run_epilog(user.env("701"), cfg)
+    assert not (base / "job_701").exists()
