@@ -45,7 +45,7 @@ from ..store.writer import load_state
 from .forked import ForkedWriter
 from .handle import SaveHandle
 from .job import ForkJob, ImageJob, LazyJob, SaveJob
-from .layout import FileImage, order_entries, plan_file
+from .layout import FileImage, plan_file
 from .reader import read_tensor_file
 from .staging import Staging, available_memory, is_cuda
 from .writer import write_image
@@ -133,8 +133,8 @@ class Engine:
         if mode == "copy" or (mode == "sync" and cuda):
             image, enc.tensors = self.staging.stage(enc.tensors)
             return ImageJob(enc, image, self.write_image, mode)
-        enc.tensors = [_contiguous(e) for e in order_entries(enc.tensors)]
-        image = plan_file(enc.tensors)
+        enc.tensors = [_contiguous(e) for e in enc.tensors]
+        image = plan_file(enc.tensors)  # puts enc.tensors in file order
         if mode == "sync":
             return ImageJob(enc, image, self.write_image, mode)
         try:

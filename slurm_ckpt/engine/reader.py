@@ -32,7 +32,6 @@ from ..store.codec import torch_dtype
 from ..store.tensorfile import CHECKSUM, FileRecord, read_header
 from .buffers import ALIGN, address_of, memory_view
 from .crc import crc32_combine, crc32_of_chunks
-from .layout import chunk_pieces
 
 __all__ = ["read_tensor_file"]
 
@@ -236,13 +235,14 @@ def _map(
         out[key] = raw.view(dtype).reshape(shape)
     crc = 0
     if verify and size > start:
-        chunks = chunk_pieces([(address_of(mm) + start, size - start)], chunk)
+        base_addr = address_of(mm)
+        spans = [(off, min(chunk, size - off)) for off in range(start, size, chunk)]
 
         def work(k: int) -> tuple[int, int]:
-            (a, m), = chunks[k]
-            return zlib.crc32(memory_view(a, m)), m
+            off, m = spans[k]
+            return zlib.crc32(memory_view(base_addr + off, m)), m
 
-        crc = crc32_of_chunks(_parallel(len(chunks), work, threads))
+        crc = crc32_of_chunks(_parallel(len(spans), work, threads))
     return out, crc
 
 

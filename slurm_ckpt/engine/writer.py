@@ -1,28 +1,30 @@
-"""The parallel tensor-file writer: O_DIRECT through aligned buffers, checksummed as it streams.
+"""The parallel tensor-file writer: O_DIRECT, from the tensors' own memory where it lines up.
 
-The file is cut into fixed-size chunks. Worker threads take chunks in file
-order, so the writes in flight sit next to each other and the disk sees a
-near-sequential stream at a queue depth of ``threads``. For each chunk a worker
+The file is cut into write calls (``layout.plan_writes``): stretches of large
+tensors that line up with the file's pages are written straight from the
+tensor's memory; the rest (header, small tensors, the ends of large ones) is
+gathered into an aligned bounce buffer, so many small tensors become one
+write. Worker threads take the writes in file order, so the ones in flight
+sit next to each other and the disk sees a near-sequential stream at a queue
+depth of ``threads``. Each write's crc32 is computed on exactly the bytes it
+sends, and the crcs are combined in order at the end.
 
-1. gathers its pieces into an aligned bounce buffer (or uses the memory in
-   place when it is one aligned piece): many small tensors become one write;
-2. computes the chunk's crc32 on exactly the bytes it is about to write;
-3. writes it with ``pwrite`` on an ``O_DIRECT`` descriptor, which skips the
-   page cache: no copy into it, and no dirty-page throttling of other writers.
+``O_DIRECT`` skips the page cache: no copy into it, and no dirty-page
+throttling of other writers. ``pwrite``, ``memmove`` and ``zlib.crc32`` all
+release the GIL, so the threads run in parallel.
 
-``pwrite``, ``memmove`` and ``zlib.crc32`` all release the GIL, so threads run
-in parallel. The per-chunk crcs are combined in order at the end.
-
-Fallbacks: a filesystem that refuses ``O_DIRECT`` at open (``EINVAL``: some
-FUSE and network filesystems) or at write time gets buffered ``pwritev``
-straight from the tensors' memory instead. The unaligned tail of the file is
-always written buffered. ``fsync`` at the end makes both kinds durable.
+Fallbacks: a filesystem that refuses ``O_DIRECT`` at open, or at write time
+with ``EINVAL`` (FUSE, some network filesystems), gets buffered writes from
+the same memory (``pwritev`` gathers without a bounce buffer). The unaligned
+tail of the file is always written buffered. ``fsync`` at the end makes both
+kinds durable.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import threading
 import zlib
@@ -34,7 +36,7 @@ from ..store.fsutil import fsync_file
 from ..store.tensorfile import FileRecord
 from .buffers import ALIGN, address_of, memory_view, pool
 from .crc import crc32_of_chunks
-from .layout import FileImage, Piece, chunk_pieces
+from .layout import FileImage, Write, plan_writes
 
 __all__ = ["write_image"]
 
@@ -57,7 +59,6 @@ def write_image(
     """
     if chunk <= 0 or chunk % ALIGN:
         raise ValueError(f"chunk size {chunk} must be a positive multiple of {ALIGN}")
-    chunks = chunk_pieces(image.pieces, chunk)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     except OSError as e:
@@ -66,7 +67,7 @@ def write_image(
     try:
         if direct and image.size >= ALIGN:
             dfd = _open_direct(path)
-        job = _Job(chunks, chunk, fd, dfd, cancel)
+        job = _Job(plan_writes(image.pieces, chunk, direct=dfd >= 0), chunk, fd, dfd, cancel)
         job.run(threads)
         fsync_file(fd, path)
     except OSError as e:
@@ -91,56 +92,92 @@ def _open_direct(path: Path) -> int:
 
 
 class _Job:
-    """One file's chunks, handed out in order to worker threads."""
+    """One file's writes, handed out in order to worker threads."""
 
     def __init__(
         self,
-        chunks: list[list[Piece]],
+        writes: list[Write],
         chunk: int,
         fd: int,
         dfd: int,
         cancel: Callable[[], bool] | None,
     ) -> None:
-        self.chunks = chunks
+        self.writes = writes
         self.chunk = chunk
         self.fd = fd
         self.dfd = dfd
         self.cancel = cancel
         self.direct_ok = dfd >= 0
-        self.results: list[tuple[int, int]] = [(0, 0)] * len(chunks)
+        self.results: list[tuple[int, int]] = [(0, 0)] * len(writes)
         self._next = 0
         self._lock = threading.Lock()
         self._error: BaseException | None = None
 
+    def _in_place(self, w: Write) -> bool:
+        return w.direct or self.dfd < 0
+
     def run(self, threads: int) -> None:
-        n = max(1, min(threads, len(self.chunks)))
-        if n == 1:
-            self._worker()
+        # Writes from the tensors' memory are checksummed by threads of their
+        # own, concurrently with the writes: a writer thread that stopped to
+        # checksum would leave the disk's queue shallower (measured: 2.3 GB/s
+        # with the crc inline, 2.7 GB/s beside it, 2.9 GB/s with no crc).
+        self._crc_todo = [k for k, w in enumerate(self.writes) if self._in_place(w)]
+        self._crc_next = 0
+        n = max(1, min(threads, len(self.writes)))
+        c = min(len(self._crc_todo), _cores())
+        workers = [threading.Thread(target=self._worker, name=f"slurm-ckpt-write-{i}", daemon=True)
+                   for i in range(n)]  # fmt: skip
+        workers += [threading.Thread(target=self._crc_worker, name=f"slurm-ckpt-crc-{i}", daemon=True)
+                    for i in range(c)]  # fmt: skip
+        if len(workers) == 1:
+            workers[0].run()
         else:
-            workers = [threading.Thread(target=self._worker, name=f"slurm-ckpt-write-{i}", daemon=True)
-                       for i in range(n)]  # fmt: skip
             for w in workers:
                 w.start()
             for w in workers:
                 w.join()
         if self._error is not None:
             raise self._error
+        if self._crc_next < len(self._crc_todo):  # no crc thread ran (nothing in place)
+            self._crc_worker()
+
+    def _crc_worker(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if self._error is not None or self._crc_next >= len(self._crc_todo):
+                        return
+                    k = self._crc_todo[self._crc_next]
+                    self._crc_next += 1
+                crc = 0
+                for a, m in self.writes[k].pieces:
+                    crc = zlib.crc32(memory_view(a, m), crc)
+                self.results[k] = (crc, self.writes[k].size)
+        except BaseException as e:  # handed to run(), which raises it in the caller
+            with self._lock:
+                if self._error is None:
+                    self._error = e
 
     def _take(self) -> int | None:
         with self._lock:
-            if self._error is not None or self._next >= len(self.chunks):
+            if self._error is not None or self._next >= len(self.writes):
                 return None
             k = self._next
             self._next += 1
             return k
 
     def _worker(self) -> None:
-        bounce = pool.acquire(self.chunk) if self.dfd >= 0 else None
+        bounce = None
         try:
             while (k := self._take()) is not None:
                 if self.cancel is not None and self.cancel():
                     raise OSError(errno.ECANCELED, "write cancelled")
-                self.results[k] = self._write_chunk(self.chunks[k], k * self.chunk, bounce)
+                w = self.writes[k]
+                if self._in_place(w):
+                    self._write_in_place(w)
+                else:
+                    bounce = bounce or pool.acquire(self.chunk)
+                    self.results[k] = self._write_gathered(w, bounce)
         except BaseException as e:  # handed to run(), which raises it in the caller
             with self._lock:
                 if self._error is None:
@@ -149,38 +186,46 @@ class _Job:
             if bounce is not None:
                 pool.release(bounce)
 
-    def _write_chunk(self, pieces: list[Piece], off: int, bounce: object) -> tuple[int, int]:
-        n = sum(m for _, m in pieces)
-        if not self.direct_ok or bounce is None:
-            views = [memory_view(a, m) for a, m in pieces]
-            crc = 0
-            for v in views:
-                crc = zlib.crc32(v, crc)
-            _pwritev_all(self.fd, views, off)
-            return crc, n
-        if len(pieces) == 1 and pieces[0][0] % ALIGN == 0:
-            src = memory_view(*pieces[0])  # aligned already (a staging image): no copy
-        else:
-            base = address_of(bounce)  # type: ignore[arg-type]
-            pos = 0
-            for a, m in pieces:
-                ctypes.memmove(base + pos, a, m)
-                pos += m
-            src = memory_view(base, n)
-        crc = zlib.crc32(src)
-        body = n - n % ALIGN
-        if body:
+    def _write_in_place(self, w: Write) -> None:
+        views = [memory_view(a, m) for a, m in w.pieces]
+        if w.direct and self.direct_ok:
             try:
-                _pwrite_all(self.dfd, src[:body], off)
+                _pwrite_all(self.dfd, views[0], w.offset)
+                return
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 # The device wants a larger alignment than 4 KiB: write buffered.
                 self.direct_ok = False
-                _pwrite_all(self.fd, src[:body], off)
-        if body < n:
-            _pwrite_all(self.fd, src[body:], off + body)
-        return crc, n
+        _pwritev_all(self.fd, views, w.offset)
+
+    def _write_gathered(self, w: Write, bounce: mmap.mmap) -> tuple[int, int]:
+        base = address_of(bounce)
+        pos = 0
+        for a, m in w.pieces:
+            ctypes.memmove(base + pos, a, m)
+            pos += m
+        src = memory_view(base, w.size)
+        crc = zlib.crc32(src)
+        body = w.size - w.size % ALIGN if self.direct_ok else 0
+        if body:
+            try:
+                _pwrite_all(self.dfd, src[:body], w.offset)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct_ok = False
+                body = 0
+        if body < w.size:
+            _pwrite_all(self.fd, src[body:], w.offset + body)
+        return crc, w.size
+
+
+def _cores() -> int:
+    try:
+        return max(1, min(4, len(os.sched_getaffinity(0))))
+    except (AttributeError, OSError):
+        return 2
 
 
 def _pwrite_all(fd: int, view: memoryview, off: int) -> None:

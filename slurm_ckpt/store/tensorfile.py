@@ -5,8 +5,10 @@ Layout (readable by ``safetensors.safe_open`` and any third-party reader)::
     u64 little-endian N | N bytes of JSON header, space-padded | tensor bytes
 
 The header maps each key to ``{"dtype", "shape", "data_offsets": [begin, end]}``
-(offsets relative to the end of the header). We pad the header so tensor data
-starts on a 4 KiB boundary, which lets the engine write it with O_DIRECT.
+(offsets relative to the end of the header). We pad the header with spaces so
+tensor data starts at a chosen offset within a 4 KiB page: 0 by default, or the
+offset at which the tensors' memory sits within its pages, so the engine can
+write them with O_DIRECT straight from that memory (see ``engine/layout.py``).
 """
 
 from __future__ import annotations
@@ -59,7 +61,11 @@ def tensor_bytes(t: Any) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def build_header(entries: Sequence[TensorEntry], metadata: dict[str, str] | None = None) -> bytes:
+def build_header(
+    entries: Sequence[TensorEntry], metadata: dict[str, str] | None = None, *, phase: int = 0
+) -> bytes:
+    """The length prefix and JSON header, space-padded so the data starts at
+    ``phase`` bytes past a 4 KiB boundary (a multiple of 16 keeps every dtype aligned)."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = metadata
@@ -69,7 +75,7 @@ def build_header(entries: Sequence[TensorEntry], metadata: dict[str, str] | None
                          "data_offsets": [offset, offset + e.nbytes]}  # fmt: skip
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    pad = -(8 + len(raw)) % ALIGN
+    pad = (phase - 8 - len(raw)) % ALIGN
     raw += b" " * pad
     return struct.pack("<Q", len(raw)) + raw
 
