@@ -11,7 +11,7 @@ are gone and the prolog's warning is in the job's output.
 from __future__ import annotations
 
 import json
-import shutil
+import subprocess
 import sys
 import time
 from datetime import datetime
@@ -57,19 +57,18 @@ print("done", flush=True)
 
 
 def install_hooks(d: Path, base: Path, root: Path) -> None:
-    """The README's install step, into ``d``: shims, hooks.env, config."""
-    d.mkdir()
-    for shim in ("prolog/slurm-ckpt-prolog", "epilog/slurm-ckpt-epilog", "prolog/slurm-ckpt-taskprolog"):
-        shutil.copy2(REPO / shim, d)
-    (d / "config.yaml").write_text(
+    """The README's install step (scripts/install-hooks.sh) into ``d``, with a test config."""
+    config = d.with_name("config.yaml")
+    config.write_text(
         f"scratch:\n  base: {base}\n  default_size: 16M\n  min_size: 1M\n  headroom: 64M\n"
         f"  prolog_timeout: 15\n  epilog_timeout: 40\nstorage:\n  root: {root}\n"
     )
-    (d / "hooks.env").write_text(
-        f"SLURM_CKPT_BIN={Path(sys.executable).with_name('slurm-ckpt')}\n"
-        f"SLURM_CKPT_CONFIG={d / 'config.yaml'}\nSLURM_CKPT_HOOK_LOG={d / 'hooks.log'}\n"
-        "SLURM_CKPT_PROLOG_WATCHDOG=20\nSLURM_CKPT_EPILOG_WATCHDOG=50\n"
-    )
+    subprocess.run(["bash", str(REPO / "scripts" / "install-hooks.sh"), "--dest", str(d),
+                    "--bin", str(Path(sys.executable).with_name("slurm-ckpt")), "--config", str(config),
+                    "--log", str(d / "hooks.log")], check=True, capture_output=True, timeout=60)  # fmt: skip
+    # Watchdogs below the test cluster's PrologEpilogTimeout=60.
+    with open(d / "hooks.env", "a") as f:
+        f.write("SLURM_CKPT_PROLOG_WATCHDOG=20\nSLURM_CKPT_EPILOG_WATCHDOG=50\n")
 
 
 def log_time(line: str) -> float:
@@ -78,7 +77,9 @@ def log_time(line: str) -> float:
     return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def test_scratch_stage_out_and_resume_under_slurm(slurm_cluster: Cluster, slurm_workdir: Path) -> None:
+def test_scratch_stage_out_and_resume_under_slurm(
+    slurm_cluster: Cluster, slurm_workdir: Path
+) -> None:
     node = slurm_cluster.node_names[0]
     base = slurm_cluster.scratch / "slurm-ckpt"
     durable = slurm_workdir / "durable"
@@ -136,5 +137,7 @@ def test_scratch_stage_out_and_resume_under_slurm(slurm_cluster: Cluster, slurm_
                  (hooks / "hooks.log").read_text().splitlines()) >= 2, 60)  # fmt: skip
     assert not on_node.exists()
     assert job.id not in json.loads(ledger.read_text())
-    print(f"\nstates seen while the epilog held the job: {sorted(states)}; "
-          f"stage-out ended {run1 - log_time(staged):.1f}s before the requeued run started")
+    print(
+        f"\nstates seen while the epilog held the job: {sorted(states)}; "
+        f"stage-out ended {run1 - log_time(staged):.1f}s before the requeued run started"
+    )
