@@ -33,7 +33,7 @@ from ..store.codec import TensorEntry
 from ..store.tensorfile import build_header
 from .buffers import ALIGN
 
-__all__ = ["FileImage", "Write", "order_entries", "plan_file", "plan_writes"]
+__all__ = ["FileImage", "Segment", "Write", "order_entries", "plan_file", "plan_writes"]
 
 Piece = tuple[int, int]
 """(memory address, length in bytes)."""
@@ -52,17 +52,22 @@ class FileImage:
 
 
 @dataclass(frozen=True)
-class Write:
-    """One write call: ``size`` bytes at file offset ``offset``, from ``pieces``.
+class Segment:
+    """Consecutive file bytes from ``pieces``: in place (one aligned piece of
+    memory, written as it is) or gathered (copied into a bounce buffer first)."""
 
-    ``direct`` writes come from one aligned piece in place; the others are
-    gathered (into a bounce buffer for O_DIRECT, or by ``pwritev``).
-    """
+    in_place: bool
+    pieces: tuple[Piece, ...]
+    size: int
+
+
+@dataclass(frozen=True)
+class Write:
+    """One write call: ``size`` bytes at file offset ``offset``, made of ``segments``."""
 
     offset: int
     size: int
-    pieces: tuple[Piece, ...]
-    direct: bool
+    segments: tuple[Segment, ...]
 
 
 def order_entries(entries: Sequence[TensorEntry]) -> list[TensorEntry]:
@@ -109,47 +114,79 @@ def plan_writes(pieces: Sequence[Piece], chunk: int, *, direct: bool = True) -> 
     """The write calls for a file made of ``pieces``, in file order, each at most ``chunk`` bytes.
 
     With ``direct``, every stretch of a piece whose address and file offset
-    are both page-aligned becomes ``direct`` writes; the bytes around them are
-    gathered into page-aligned writes (the file's last one may end unaligned).
-    Without, the file is simply cut into gathered ``chunk``-byte writes.
+    are both page-aligned is an in-place segment; the bytes around them are
+    gathered in whole pages (only the file's last page may be partial). One
+    write call takes both kinds (``pwritev``), so the few gathered pages at the
+    seams between tensors do not cost a round trip to the device each.
+    Without ``direct``, everything is gathered (``pwritev`` needs no alignment).
     """
-    out: list[Write] = []
-    gather: list[Piece] = []
-    g_start = 0
-    g_size = 0
+    segs: list[Segment] = []
+    run: list[Piece] = []
+    run_size = 0
 
-    def flush() -> None:
-        nonlocal gather, g_size
-        if g_size:
-            out.append(Write(g_start, g_size, tuple(gather), False))
-        gather, g_size = [], 0
+    def gather(addr: int, n: int) -> None:
+        nonlocal run_size
+        if n:
+            run.append((addr, n))
+            run_size += n
 
-    def add(addr: int, n: int, off: int) -> None:
-        nonlocal g_start, g_size
-        while n:
-            if not g_size:
-                g_start = off
-            take = min(n, chunk - g_size)
-            gather.append((addr, take))
-            g_size += take
-            addr, n, off = addr + take, n - take, off + take
-            if g_size == chunk:
-                flush()
+    def close_run() -> None:
+        nonlocal run, run_size
+        if run_size:
+            segs.append(Segment(False, tuple(run), run_size))
+        run, run_size = [], 0
 
     off = 0
     for addr, n in pieces:
         lo = -(-off // ALIGN) * ALIGN  # first page boundary in the piece
         hi = (off + n) // ALIGN * ALIGN
-        if direct and (addr - off) % ALIGN == 0 and hi - lo >= 2 * ALIGN:
-            # The gathered bytes before the aligned stretch end exactly at ``lo``.
-            add(addr, lo - off, off)
-            flush()
-            for s in range(lo, hi, chunk):
-                m = min(chunk, hi - s)
-                out.append(Write(s, m, ((addr + s - off, m),), True))
-            add(addr + hi - off, off + n - hi, hi)
+        if direct and (addr - off) % ALIGN == 0 and hi - lo >= ALIGN:
+            gather(addr, lo - off)  # ends exactly at ``lo``: the run stays page-aligned
+            close_run()
+            segs.append(Segment(True, ((addr + lo - off, hi - lo),), hi - lo))
+            gather(addr + hi - off, off + n - hi)
         else:
-            add(addr, n, off)
+            gather(addr, n)
         off += n
-    flush()
+    close_run()
+    return _pack(segs, chunk)
+
+
+def _split(seg: Segment, n: int) -> tuple[Segment, Segment]:
+    """The first ``n`` bytes of ``seg``, and the rest."""
+    head: list[Piece] = []
+    tail: list[Piece] = []
+    left = n
+    for a, m in seg.pieces:
+        if left >= m:
+            head.append((a, m))
+            left -= m
+        elif left > 0:
+            head.append((a, left))
+            tail.append((a + left, m - left))
+            left = 0
+        else:
+            tail.append((a, m))
+    return Segment(seg.in_place, tuple(head), n), Segment(seg.in_place, tuple(tail), seg.size - n)
+
+
+def _pack(segs: list[Segment], chunk: int) -> list[Write]:
+    """Group segments into writes of at most ``chunk`` bytes, cutting at page multiples."""
+    out: list[Write] = []
+    cur: list[Segment] = []
+    start = fill = 0
+    for seg in segs:
+        while seg.size:
+            take = min(seg.size, chunk - fill)
+            if take < seg.size:
+                part, seg = _split(seg, take)
+            else:
+                part, seg = seg, Segment(seg.in_place, (), 0)
+            cur.append(part)
+            fill += take
+            if fill == chunk:
+                out.append(Write(start, fill, tuple(cur)))
+                start, fill, cur = start + fill, 0, []
+    if cur:
+        out.append(Write(start, fill, tuple(cur)))
     return out

@@ -95,20 +95,26 @@ def test_plan_writes_tiles_the_file_with_aligned_writes(
         addr += n
     writes = plan_writes(pieces, chunk, direct=direct)
     total = sum(n for _, n in pieces)
-    assert [w.offset for w in writes] == sorted(w.offset for w in writes)
     assert sum(w.size for w in writes) == total
     pos = 0
     for i, w in enumerate(writes):
         assert w.offset == pos and 0 < w.size <= chunk
-        assert sum(m for _, m in w.pieces) == w.size
+        assert sum(seg.size for seg in w.segments) == w.size
+        for seg in w.segments:
+            assert sum(m for _, m in seg.pieces) == seg.size
+            if seg.in_place:  # written from memory as it is: one aligned piece
+                assert direct and len(seg.pieces) == 1 and seg.pieces[0][0] % 4096 == 0
         if direct:
-            assert w.offset % 4096 == 0  # O_DIRECT needs the offset aligned ...
-            assert w.size % 4096 == 0 or i == len(writes) - 1  # ... and all but the file's tail
-        if w.direct:
-            assert len(w.pieces) == 1 and w.pieces[0][0] % 4096 == 0  # written from memory in place
+            # O_DIRECT: every segment of every write starts page-aligned, and all
+            # but the file's very last bytes come in whole pages.
+            seg_pos = w.offset
+            for seg in w.segments:
+                assert seg_pos % 4096 == 0
+                assert seg.size % 4096 == 0 or (i == len(writes) - 1 and seg is w.segments[-1])
+                seg_pos += seg.size
         pos += w.size
     # The bytes, in file order, are the pieces' bytes in order.
-    flat = [p for w in writes for p in w.pieces]
+    flat = [p for w in writes for seg in w.segments for p in seg.pieces]
     joined: list[tuple[int, int]] = []
     for a, m in flat:
         if joined and joined[-1][0] + joined[-1][1] == a:
@@ -138,7 +144,8 @@ def test_large_tensors_line_up_with_the_file_and_go_to_disk_in_place(tmp_path: P
     image = plan_file(enc.tensors)
     assert image.pieces[1][0] % 4096 == 64 and len(image.keep[0]) % 4096 == 64
     writes = plan_writes(image.pieces, 1 << 20)
-    assert sum(w.size for w in writes if w.direct) >= 3 * ((1 << 20) - 4096)
+    in_place = sum(seg.size for w in writes for seg in w.segments if seg.in_place)
+    assert in_place >= 3 * ((1 << 20) - 4096)
     path = tmp_path / "x.safetensors"
     rec = write_image(path, image, chunk=1 << 20)
     assert_same(read_tensor_file(path, rec), {e.key: e.tensor for e in enc.tensors})
