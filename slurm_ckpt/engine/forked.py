@@ -15,7 +15,8 @@ the signals Slurm sends to the whole step (the parent decides), and exits with
 ``os._exit`` so no parent atexit handler or buffer flush runs twice. It checks
 between chunks, and every second while idle, that its parent is alive, and
 exits if not: a killed trainer leaves only a temp dir, which the next writer
-removes. Processes with CUDA tensors to save never use this path (pinned
+removes. It writes through its own bounce buffers, never with O_DIRECT from
+the shared pages: pinning a shared page makes the kernel copy it first. Processes with CUDA tensors to save never use this path (pinned
 memory may be excluded from the child's copy).
 
 Protocol. The parent sends one JSON line per file to write, ``{"path": ...}``,
@@ -63,6 +64,8 @@ class ForkedWriter:
         os.close(res_w)
         self.pid = pid
         self._status: int | None = None
+        self.rusage: Any = None
+        """The child's resource usage once reaped (``os.wait4``)."""
         self._buf = b""
 
     def write(self, path: Path) -> FileRecord:
@@ -115,7 +118,7 @@ class ForkedWriter:
 
     def _reap(self) -> None:
         if self._status is None:
-            _, self._status = os.waitpid(self.pid, 0)
+            _, self._status, self.rusage = os.wait4(self.pid, 0)
 
     def __del__(self) -> None:
         # A job dropped without close(): do not leave the child (or a zombie) behind.
@@ -158,7 +161,10 @@ def _child(cmd_r: int, res_w: int, parent: int, image: FileImage, threads: int, 
             line, buf = buf.split(b"\n", 1)
             path = json.loads(line)["path"]
             try:
-                rec = write_image(Path(path), image, threads=threads, chunk=chunk, direct=direct, cancel=orphaned)
+                # in_place=False: O_DIRECT straight from pages shared with the
+                # parent would make the kernel copy each of them (see plan_writes).
+                rec = write_image(Path(path), image, threads=threads, chunk=chunk, direct=direct,
+                                  in_place=False, cancel=orphaned)  # fmt: skip
                 reply: dict[str, Any] = {"ok": True, "size": rec.size, "checksum": rec.checksum}
             except BaseException as e:  # reported to the parent, which raises it
                 reply = {"ok": False, "errno": getattr(e, "errno", None), "message": str(e),

@@ -50,12 +50,14 @@ def write_image(
     threads: int = 4,
     chunk: int = 8 << 20,
     direct: bool = True,
+    in_place: bool = True,
     cancel: Callable[[], bool] | None = None,
 ) -> FileRecord:
     """Create ``path`` holding ``image``, fsync it, and return its size and crc32.
 
     ``cancel`` is polled between chunks; when it returns True the write stops
     with ``ECANCELED`` (the forked writer uses it to stop when its parent dies).
+    ``in_place=False`` sends every byte through bounce buffers (see ``plan_writes``).
     """
     if chunk <= 0 or chunk % ALIGN:
         raise ValueError(f"chunk size {chunk} must be a positive multiple of {ALIGN}")
@@ -67,7 +69,7 @@ def write_image(
     try:
         if direct and image.size >= ALIGN:
             dfd = _open_direct(path)
-        job = _Job(plan_writes(image.pieces, chunk, direct=dfd >= 0), chunk, fd, dfd, cancel)
+        job = _Job(plan_writes(image.pieces, chunk, direct=dfd >= 0, in_place=in_place), chunk, fd, dfd, cancel)
         job.run(threads)
         fsync_file(fd, path)
     except OSError as e:

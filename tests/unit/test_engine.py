@@ -297,6 +297,19 @@ def test_in_place_updates_after_the_snapshot_do_not_leak(tmp_path: Path, mode: s
     assert_same(Engine().load(path, verify_checkpoint(path)), want)
 
 
+def test_the_forked_writer_reads_the_snapshot_without_copying_it(tmp_path: Path) -> None:
+    state = {"w": torch.randn(16 << 20)}  # 64 MiB: 16,384 pages
+    job = Engine(EngineConfig(chunk_size=1 << 20)).job(state, mode="fork")
+    try:
+        commit(tmp_path, 1, job.write)
+    finally:
+        job.close()
+    # O_DIRECT from pages shared with the parent would make the kernel copy
+    # (unshare) each one: a page fault per page in the child, and a second copy.
+    assert job.writer.rusage.ru_minflt < 16384 // 4
+    assert torch.equal(Engine().load(tmp_path / "step-000000001", verify_checkpoint(tmp_path / "step-000000001"))["w"], state["w"])
+
+
 def test_a_job_can_be_written_twice_like_a_retried_commit(tmp_path: Path) -> None:
     eng = Engine(EngineConfig(chunk_size=8192))
     for mode in ("fork", "copy", "lazy"):
