@@ -70,7 +70,10 @@ def parse_size(value: str | int | float) -> int:
         raise ConfigError(
             f"cannot parse size {value!r}: use a number and a unit such as 512MiB, 40G or 1.5TiB"
         )
-    return int(float(m.group(1)) * _UNITS[unit])
+    n = float(m.group(1)) * _UNITS[unit]
+    if not n < 2**63:  # also catches inf from an absurdly long number
+        raise ConfigError(f"size {value!r} is larger than any filesystem; check the number")
+    return int(n)
 
 
 def format_size(n: float) -> str:

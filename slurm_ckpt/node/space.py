@@ -54,7 +54,7 @@ def newest_checkpoint_size(root: str, user: str, job_dir: str) -> tuple[int, int
         fds.append(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
         for name in (user, job_dir):
             fds.append(os.open(name, _DIR, dir_fd=fds[-1]))
-        steps = sorted((n for n in os.listdir(fds[-1]) if STEP_RE.match(n)), reverse=True)
+        steps = sorted((n for n in os.listdir(fds[-1]) if STEP_RE.fullmatch(n)), reverse=True)
         if not steps:
             return 0, 0
         fds.append(os.open(steps[0], _DIR, dir_fd=fds[-1]))

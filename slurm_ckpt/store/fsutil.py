@@ -21,6 +21,8 @@ __all__ = [
     "exchange_or_replace_dir",
     "fsync_dir",
     "fsync_file",
+    "open_regular",
+    "read_small",
     "remove_tree",
     "write_file_durably",
 ]
@@ -29,6 +31,42 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _renameat2 = getattr(_libc, "renameat2", None)
+
+
+def open_regular(path: str | os.PathLike[str]) -> int:
+    """Open an existing checkpoint file for reading, refusing anything but a regular file.
+
+    Checkpoint trees can be user-writable and are read by the root epilog:
+    O_NOFOLLOW keeps a planted symlink from redirecting the read, O_NONBLOCK
+    keeps a planted FIFO from hanging it, and the fstat check refuses devices.
+    """
+    from ..errors import CheckpointCorrupt
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointCorrupt(f"{path}: is a symlink, not a checkpoint file", path) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointCorrupt(f"{path}: not a regular file", path)
+    return fd
+
+
+def read_small(path: str | os.PathLike[str], limit: int) -> bytes:
+    """Read a whole small file via :func:`open_regular`, refusing one over ``limit`` bytes."""
+    from ..errors import CheckpointCorrupt
+
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CheckpointCorrupt(f"{path}: {size} bytes, more than the {limit} expected", path)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit + 1)
+    finally:
+        os.close(fd)
 
 
 def fsync_file(fd: int, path: str | os.PathLike[str]) -> None:

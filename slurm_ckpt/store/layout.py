@@ -28,12 +28,12 @@ def tmp_dir_for(run_dir: Path, step: int) -> Path:
 
 
 def tmp_dir_owner(name: str) -> tuple[str, int] | None:
-    m = TMP_RE.match(name)
+    m = TMP_RE.fullmatch(name)
     return (m.group("host"), int(m.group("pid"))) if m else None
 
 
 def tmp_dir_step(name: str) -> int | None:
-    m = TMP_RE.match(name)
+    m = TMP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -45,7 +45,7 @@ def list_steps(run_dir: Path) -> list[tuple[int, Path]]:
         return []
     out = []
     for name in names:
-        m = STEP_RE.match(name)
+        m = STEP_RE.fullmatch(name)
         if m:
             out.append((int(m.group(1)), run_dir / name))
     out.sort(reverse=True)

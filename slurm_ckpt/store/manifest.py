@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorrupt, storage_error
+from .fsutil import read_small
 from .tensorfile import CHECKSUM, FileRecord
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "Manifest"]
@@ -28,6 +29,8 @@ __all__ = ["FORMAT", "MANIFEST", "VERSION", "Manifest"]
 FORMAT = "slurm-ckpt"
 VERSION = 1
 MANIFEST = "MANIFEST.json"
+MANIFEST_LIMIT = 1 << 30
+"""A manifest larger than this is damage, not a checkpoint (and would exhaust memory)."""
 _END = b"\n}"
 _SELF_CRC = re.compile(rb',\n "manifest_crc32": "([0-9a-f]{8})"\n\}\n\Z')
 
@@ -70,7 +73,7 @@ class Manifest:
         """Parse and validate a manifest; :class:`CheckpointCorrupt` if it is bad."""
         path = ckpt_dir / MANIFEST
         try:
-            raw = path.read_bytes()
+            raw = read_small(path, MANIFEST_LIMIT)
         except FileNotFoundError:
             raise CheckpointCorrupt(f"{path}: manifest missing (never committed?)", path) from None
         except OSError as e:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import CheckpointCorrupt, storage_error
 from .commit import commit
-from .fsutil import fsync_dir, fsync_file
+from .fsutil import fsync_dir, fsync_file, open_regular
 from .manifest import Manifest
 from .tensorfile import CHUNK, FileRecord
 from .verify import verify_checkpoint
@@ -27,15 +27,13 @@ def _copy_file(src: Path, dst: Path, expected: FileRecord) -> FileRecord:
     size = 0
     buf = bytearray(CHUNK)
     view = memoryview(buf)
-    # O_NOFOLLOW: the epilog runs this as the job's user on a user-writable
-    # tree; a symlink planted there must not redirect what is read.
+    # The epilog runs this as the job's user on a user-writable tree: a link,
+    # FIFO or device planted there must not redirect or hang the read.
     try:
-        sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        sfd = open_regular(src)
     except OSError as e:
         raise storage_error(e, "cannot open checkpoint file", src) from e
     try:
-        if not os.path.isfile(f"/proc/self/fd/{sfd}"):
-            raise CheckpointCorrupt(f"{src}: not a regular file", src)
         dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             while n := os.readv(sfd, [view]):

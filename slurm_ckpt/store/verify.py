@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointCorrupt, storage_error
+from .fsutil import open_regular, read_small
 from .layout import list_steps
 from .manifest import Manifest
 from .tensorfile import CHUNK, read_header
@@ -70,14 +71,23 @@ def verify_checkpoint(path: Path, *, full: bool = True) -> Manifest:
                     fpath,
                 )
         elif name.endswith(".safetensors"):
-            with open(fpath, "rb") as f:
+            with os.fdopen(_open(fpath), "rb") as f:
                 read_header(f, fpath, st.st_size)
         elif name.endswith(".json"):
             try:
-                json.loads(fpath.read_bytes())
+                json.loads(read_small(fpath, rec.size))
             except ValueError as e:
                 raise CheckpointCorrupt(f"{fpath}: not valid JSON ({e})", fpath) from None
     return man
+
+
+def _open(path: Path) -> int:
+    try:
+        return open_regular(path)
+    except CheckpointCorrupt:
+        raise
+    except OSError as e:
+        raise storage_error(e, "cannot open checkpoint file", path) from e
 
 
 def _step_of(path: Path, default: int) -> int:
@@ -92,7 +102,7 @@ def _crc_file(path: Path) -> str:
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     try:
-        with open(path, "rb", buffering=0) as f:
+        with os.fdopen(_open(path), "rb", buffering=0) as f:
             while n := f.readinto(view):
                 crc = zlib.crc32(view[:n], crc)
     except OSError as e:

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import filelock
 import pytest
 
 from slurm_ckpt.node import Ledger, run_epilog, run_prolog, task_prolog
 from slurm_ckpt.node.scratch import STATE_DIR
+from slurm_ckpt.node.stageout import StageResult
 from slurm_ckpt.store import find_latest, verify_checkpoint
 from slurm_ckpt.store.layout import list_steps
 from tests.node.helpers import User, make_cfg, owned_tree, sh, write_ckpt
@@ -89,17 +94,42 @@ def test_failed_stage_out_keeps_scratch_and_reservation_until_a_rerun(pub_tmp: P
     assert not (base / "job_103").exists() and "103" not in ledger(base)
 
 
+def _stop_child_running_as(uid: int, deadline: float) -> int:
+    """SIGSTOP our forked child once it has dropped to ``uid``: a stage-out that
+    hangs for real, as one stuck in a D-state write on a dead NFS server would."""
+    while time.monotonic() < deadline:
+        for proc in Path("/proc").iterdir():
+            try:
+                status = (proc / "status").read_text() if proc.name.isdigit() else ""
+            except OSError:
+                continue
+            if f"\nPPid:\t{os.getpid()}\n" in status and f"\nUid:\t{uid}\t" in status:
+                os.kill(int(proc.name), signal.SIGSTOP)
+                return int(proc.name)
+        time.sleep(0.005)
+    raise AssertionError("the stage-out child never appeared")
+
+
 def test_stage_out_past_its_deadline_is_killed_and_scratch_kept(pub_tmp: Path, user: User) -> None:
     base, root = pub_tmp / "scratch", pub_tmp / "shared"
-    owned_tree(root / user.name / "job_104" / "step-000000009", user)
-    # The user's own durable dir holds a FIFO where a manifest should be: reading it blocks.
-    user.run("mkfifo", str(root / user.name / "job_104" / "step-000000009" / "MANIFEST.json"))
+    durable = root / user.name / "job_104"
+    owned_tree(root / user.name, user)
+    owned_tree(durable, user)
+    # Another writer holds the durable run dir, so the stage-out child waits on
+    # its lock long enough for us to stop it there: it then never returns.
+    user.run("touch", str(durable / ".lock"))
     cfg = make_cfg(base, root, epilog_timeout=6.5)  # 1.5 s for stage-out, 5 s kept for cleanup
     env = user.env("104")
     run_prolog(env, cfg)
     write_ckpt(base / "job_104" / "ckpt", 3, owner=user)
-    res = run_epilog(env, cfg)
-    assert res is not None and res.status == "timeout"
+    result: list[object] = []
+    with filelock.FileLock(str(durable / ".lock")):
+        t = threading.Thread(target=lambda: result.append(run_epilog(env, cfg)))
+        t.start()
+        _stop_child_running_as(user.uid, time.monotonic() + 5)
+        t.join(timeout=30)
+    res = result[0] if result else None
+    assert isinstance(res, StageResult) and res.status == "timeout"
     assert (base / "job_104" / "ckpt" / "step-000000003").is_dir()
     assert "timeout" in str(ledger(base)["104"]["kept"])
 
