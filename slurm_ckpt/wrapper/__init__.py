@@ -84,6 +84,7 @@ from .._env import default_run_dir
 from ..config import Config, WrapperConfig
 from ..control import parse_signal
 from ..errors import ConfigError, SlurmError
+from ..node.cgroup import join_io_cgroup
 from ..slurm import SlurmCommandMissing, SlurmEnv
 from ..store import find_latest
 from .backend import JobBackend, LocalJob, SlurmJob
@@ -126,6 +127,9 @@ def run_wrapper(
     rank = 0 if local else slurm.procid
     restarts = 0 if local else slurm.restart_count
     become_subreaper()
+    # The prolog's per-job I/O cgroup (v1 blkio): joined before the child starts,
+    # so the trainer and every worker it forks inherit the job's I/O limits.
+    join_io_cgroup(env=env)
     with ControlServer() as server, SignalTrap([sig, _TERM, _INT, _CHLD]) as trap:
         child_env["SLURM_CKPT_CONTROL"] = server.path
         run_no = 1

@@ -334,3 +334,29 @@ def _child(argv: list[str]) -> int:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
     sys.exit(_child(sys.argv[2:]))
+
+
+@pytest.mark.root
+def test_the_wrapped_command_runs_inside_the_jobs_io_cgroup(tmp_path: Path) -> None:
+    """A real cgroup v1 blkio group, as the prolog makes it: the wrapper joins it
+    before starting the child, so the trainer and its workers inherit the limits."""
+    blkio = Path("/sys/fs/cgroup/blkio")
+    if os.geteuid() != 0 or not (blkio / "cgroup.procs").exists():
+        pytest.skip("needs root and a cgroup v1 blkio hierarchy")
+    group = blkio / f"slurm-ckpt-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        env = dict(os.environ, SLURM_CKPT_IO_CGROUP=str(group), SLURM_CKPT_DIR=str(tmp_path / "ckpt"))
+        env.pop("SLURM_JOB_ID", None)
+        out = subprocess.run(
+            [*_wrapper_argv("--local"), "--", "cat", "/proc/self/cgroup"],
+            env=env, capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        line = next(ln for ln in out.stdout.splitlines() if ":blkio:" in ln)
+        assert line.endswith(f":blkio:/{group.name}"), out.stdout
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            for pid in (group / "cgroup.procs").read_text().split():
+                (blkio / "cgroup.procs").write_text(pid)
+        group.rmdir()
