@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 
@@ -21,6 +22,11 @@ __all__ = ["CommandResult", "SlurmCommandMissing", "binary", "run_slurm"]
 log = logging.getLogger("slurm_ckpt")
 
 _OVERRIDES = {"scontrol": "SCONTROL", "scancel": "SCANCEL", "squeue": "SQUEUE"}
+# Slurm signals every process of a job step, so a second USR1 or a SIGTERM
+# would kill the wrapper's own `scontrol requeue` half-way (seen on a real
+# cluster: "exited -10"). The command starts with them blocked instead; a
+# blocked signal is inherited across exec and never delivered to it.
+_SHIELDED = {signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM}
 
 
 class SlurmCommandMissing(SlurmError, FileNotFoundError):
@@ -70,14 +76,23 @@ def run_slurm(name: str, *args: str, timeout: float = 30.0) -> CommandResult:
     argv = (exe, *args)
     log.debug("running %s", " ".join(argv))
     try:
-        proc = subprocess.run(
-            argv, capture_output=True, text=True, timeout=max(timeout, 0.1), check=False,
-            stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SHIELDED)
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)  # fmt: skip
+        finally:
+            # Our own handlers see anything that arrived meanwhile, once unblocked.
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        try:
+            stdout, stderr = proc.communicate(timeout=max(timeout, 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
     except subprocess.TimeoutExpired:
         raise SlurmError(
             f"`{' '.join(argv)}` did not answer within {timeout:.0f}s; is slurmctld up?"
         ) from None
     except OSError as e:
         raise SlurmError(f"cannot run {exe}: {e}") from e
-    return CommandResult(argv, proc.returncode, proc.stdout, proc.stderr)
+    return CommandResult(argv, proc.returncode, stdout, stderr)
