@@ -3,7 +3,8 @@
 #
 #   cluster.sh up [--nodes N] [--set Key=Value]... [--extra-conf FILE]
 #                 [--scratch-size SIZE] [--owner PID]
-#   cluster.sh down          stop everything, remove namespaces, links, state
+#   cluster.sh down [--force]  stop everything, remove namespaces, links, state
+#                            (--force: even a cluster that a running test owns)
 #   cluster.sh status        daemons, nodes, jobs
 #   cluster.sh env           `eval "$(cluster.sh env)"` to use sbatch/scontrol by hand
 #   cluster.sh reconfigure [--set Key=Value]... [--extra-conf FILE]
@@ -95,7 +96,13 @@ ns_pids() {   # $1: "mnt:[INODE]" as readlink prints it
 
 cmd_down() {
     [ -d "$ROOT" ] || { remove_network; return 0; }
-    local node pid ns
+    local node pid ns owner
+    # A test run's cluster is its own: a `down` typed in another shell must not
+    # pull it from under the run's jobs.
+    owner=$(pidfile "$ROOT/run/owner")
+    if [ "${1:-}" != --force ] && [ -n "$owner" ] && [ "$owner" != "$PPID" ] && pid_alive "$owner"; then
+        die "the cluster belongs to a running test (pid $owner: $(tr '\0' ' ' < "/proc/$owner/cmdline" | cut -c1-120)); it goes down when that ends, or use 'down --force'"
+    fi
     # Jobs first, while slurmctld can still tell slurmd to end them cleanly.
     if pid_alive "$(pidfile "$ROOT/run/slurmctld.pid")"; then
         local ids
@@ -299,7 +306,7 @@ start_holder() {
     setsid bash -c 'echo $$ > "$3/run/holder.pid"
         if [ -z "$1" ]; then exec -a "$0" sleep infinity; fi
         while kill -0 "$1" 2>/dev/null; do sleep 2 9>&-; done
-        HOLDER_SELF=$$ SLURM_CKPT_CLUSTER_ROOT="$3" bash "$2" down >/dev/null 2>&1' \
+        HOLDER_SELF=$$ SLURM_CKPT_CLUSTER_ROOT="$3" bash "$2" down --force >/dev/null 2>&1' \
         "$HOLDER_TAG" "$owner" "$HERE/cluster.sh" "$ROOT" </dev/null >/dev/null 2>&1 &
     local i
     for i in $(seq 50); do [ -s "$ROOT/run/holder.pid" ] && return 0; sleep 0.1; done
@@ -333,15 +340,16 @@ cmd_up() {
     # We hold the lock, so anything left over is stale (a killed run): clear it.
     local prev
     prev=$(sed -n 's/^root=//p' "$LOCK.info" 2>/dev/null || true)
-    [ -n "$prev" ] && [ "$prev" != "$ROOT" ] && SLURM_CKPT_CLUSTER_ROOT=$prev cmd_down
-    cmd_down
+    [ -n "$prev" ] && [ "$prev" != "$ROOT" ] && SLURM_CKPT_CLUSTER_ROOT=$prev cmd_down --force
+    cmd_down --force
     printf 'root=%s\nby=pid %s (%s)\n' "$ROOT" "${owner:-$$}" "$(date -Is)" > "$LOCK.info"
 
     mkdir -p "$ROOT"/{etc,state,spool,run,log,shared}
     chmod 0755 "$ROOT"
     echo "$nodes" > "$ROOT/nodes"
+    [ -z "$owner" ] || echo "$owner" > "$ROOT/run/owner"
     # A trap, so a failed start leaves no daemon or namespace behind.
-    trap 'rc=$?; [ $rc -eq 0 ] || { logs_tail; cmd_down; }; exit $rc' EXIT
+    trap 'rc=$?; [ $rc -eq 0 ] || { logs_tail; cmd_down --force; }; exit $rc' EXIT
     write_conf "$nodes"
     write_extra
     start_munge
@@ -402,7 +410,7 @@ cmd_exec() {
 
 case ${1:-} in
     up) shift; cmd_up "$@" ;;
-    down) shift; cmd_down ;;
+    down) shift; cmd_down "$@" ;;
     status) shift; cmd_status ;;
     env) shift; cmd_env ;;
     reconfigure) shift; cmd_reconfigure "$@" ;;

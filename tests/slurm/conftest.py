@@ -20,9 +20,11 @@ import pytest
 from tests.slurm.harness import SETTINGS, Cluster, ClusterError
 from tests.slurm.wrapped import reference_digests
 
-_BASE_SETTINGS: dict[str, str] = {}
 # Another test run (or a cluster started by hand) holds the machine's cluster lock.
 _LOCK_TIMEOUT = float(SETTINGS.get("SLURM_CKPT_CLUSTER_LOCK_TIMEOUT", "500"))
+# SLURM_CKPT_CLUSTER_ATTACH=1: use the cluster already running (started by hand
+# with cluster.sh up), never start, stop or clear it; cancel only our own jobs.
+_ATTACH = SETTINGS.get("SLURM_CKPT_CLUSTER_ATTACH", "") not in ("", "0")
 
 
 class _Slot:
@@ -41,8 +43,10 @@ class _Slot:
             )
         if self.cluster is not None and self.cluster.nodes == nodes:
             return self.cluster
+        if _ATTACH:
+            return self._attach(nodes)
         self.close()
-        cluster = Cluster(nodes=nodes, settings=dict(_BASE_SETTINGS))
+        cluster = Cluster(nodes=nodes)
         try:
             # Below pytest-timeout (600 s), so a busy machine fails with the lock's message.
             cluster.up(owner=os.getpid(), lock_timeout=_LOCK_TIMEOUT)
@@ -52,9 +56,21 @@ class _Slot:
         self.cluster = cluster
         return cluster
 
+    def _attach(self, nodes: int) -> Cluster:
+        try:
+            cluster = Cluster.attach()
+        except (ClusterError, OSError) as e:
+            pytest.fail(f"SLURM_CKPT_CLUSTER_ATTACH is set, but: {e}")
+        if cluster.nodes != nodes:
+            pytest.skip(
+                f"the attached cluster has {cluster.nodes} node(s); this test needs {nodes}"
+            )
+        self.cluster = cluster
+        return cluster
+
     def close(self) -> None:
         cluster, self.cluster = self.cluster, None
-        if cluster is not None:
+        if cluster is not None and not cluster.attached:
             cluster.down()
 
 
@@ -85,8 +101,8 @@ def _use(slot: _Slot, nodes: int) -> Iterator[Cluster]:
             state = cluster.node_state(node).upper()
             if "DRAIN" in state or state.startswith("DOWN"):
                 cluster.run("scontrol", "update", f"NodeName={node}", "State=RESUME", check=False)
-        if cluster.settings != _BASE_SETTINGS:
-            cluster.configure({k: None for k in cluster.settings} | dict(_BASE_SETTINGS))
+        if cluster.settings != cluster.base_settings:
+            cluster.configure({k: None for k in cluster.settings} | cluster.base_settings)
     except (ClusterError, TimeoutError, OSError):
         # A cluster we cannot put back in order is restarted for the next test.
         slot.close()

@@ -86,6 +86,26 @@ class Cluster:
     nodes: int = 1
     settings: dict[str, str] = field(default_factory=dict)
     """Per-test slurm.conf settings now in effect (extra.conf)."""
+    base_settings: dict[str, str] = field(default_factory=dict)
+    """The settings the cluster started with; tests put them back."""
+    attached: bool = False
+    """Started by someone else (``attach``): never stopped, and only our jobs are cancelled."""
+    submitted: list[str] = field(default_factory=list)
+
+    @classmethod
+    def attach(cls) -> Cluster:
+        """The cluster already running (``cluster.sh up`` by hand), as it is."""
+        c = cls(attached=True)
+        try:
+            c.nodes = int((c.root / "nodes").read_text())
+            lines = (c.root / "etc" / "extra.conf").read_text().splitlines()
+        except (OSError, ValueError) as e:
+            raise ClusterError(f"no running cluster in {c.root}: {e}") from e
+        kv = (ln.split("=", 1) for ln in lines if "=" in ln and not ln.lstrip().startswith("#"))
+        c.base_settings = {k.strip(): v.strip() for k, v in kv}
+        c.settings = dict(c.base_settings)
+        c.run("scontrol", "ping")
+        return c
 
     @property
     def conf(self) -> Path:
@@ -215,17 +235,23 @@ class Cluster:
                               timeout=30, check=False)  # fmt: skip
         if proc.returncode != 0:
             raise ClusterError(f"{shlex.join(argv)} failed: {proc.stderr.strip()}")
-        return Job(self, proc.stdout.strip().split(";")[0], out)
+        job = Job(self, proc.stdout.strip().split(";")[0], out)
+        self.submitted.append(job.id)
+        return job
 
     def jobs(self) -> list[str]:
         return self.run("squeue", "-h", "-o", "%A").split()
 
     def cancel_all(self, timeout: float = 60) -> None:
-        """Cancel every job and wait until the queue is empty (between tests)."""
-        ids = self.jobs()
-        if ids:
-            self.run("scancel", *ids, check=False)
-        poll("an empty queue", lambda: True if not self.jobs() else None, timeout,
+        """Cancel every job (attached: every job we submitted) and wait until they are gone."""
+        mine = set(self.submitted)
+
+        def left() -> list[str]:
+            return [j for j in self.jobs() if not self.attached or j in mine]
+
+        if left():
+            self.run("scancel", *left(), check=False)
+        poll("our jobs to leave the queue", lambda: True if not left() else None, timeout,
              on_timeout=lambda: self.run("squeue", check=False))  # fmt: skip
 
 
@@ -326,6 +352,14 @@ class Job:
         self.wait_for(f"requeued (Restarts>={restarts}) and PENDING",
                       lambda r: int(r.get("Restarts", "0") or 0) >= restarts
                       and r.get("JobState") == "PENDING", timeout)  # fmt: skip
+        # The requeue revoked the job's credential on slurmd; a new credential
+        # created within the same second (time_t) still counts as revoked, and
+        # slurmctld then kills the job for good ("Killing non-startable batch
+        # job: Job credential revoked", FAILED). Slurm's own ~121 s BeginTime
+        # exists for this; one second past the revocation is enough.
+        pending = time.time()
+        poll("the second after the requeue", lambda: True if int(time.time()) > int(pending) else None,
+             2, interval=0.02)  # fmt: skip
         self.cluster.run("scontrol", "update", f"JobId={self.id}", "StartTime=now")
         return self.wait_for("past its BeginTime", lambda r: r.get("Reason") != "BeginTime"
                              or r.get("JobState") != "PENDING", 30)  # fmt: skip

@@ -78,15 +78,14 @@ def dist_setup() -> tuple[int, int]:
     return rank, world
 
 
-def all_any(flag: bool, world: int) -> bool:
-    """Every rank must stop at the same step, or one would wait forever in all_reduce."""
-    if world == 1:
-        return flag
-    import torch.distributed as dist
+def finish(ckpt: Checkpointer | None, world: int) -> None:
+    """Close the run dir, then the process group: a gloo group left to interpreter exit can abort."""
+    if ckpt is not None:
+        ckpt.close()
+    if world > 1:
+        import torch.distributed as dist
 
-    t = torch.tensor([int(flag)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+        dist.destroy_process_group()
 
 
 def main() -> int:
@@ -149,17 +148,20 @@ def main() -> int:
             os._exit(args.crash_code)
         if ckpt is None:
             continue
-        stop = all_any(ckpt.preempted, world)
-        if step % args.every == 0 or stop:
-            state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
-            path = ckpt.save(state, step=step)
-            say(f"committed step={step} t={time.time():.3f} path={path}")
+        before = ckpt.last_committed
+        # Collective with several ranks: they agree on the request, then all save.
+        state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+        stop = ckpt.maybe_save(state, step, every=args.every)
+        if ckpt.last_committed != before:
+            say(f"committed step={step} t={time.time():.3f} path={ckpt.last_committed}")
         if stop:
             say(f"stopping at step={step} for requeue")
+            finish(ckpt, world)
             return 0
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"done-rank{rank}.txt").write_text(f"{step} {digest(model)}\n")
     say(f"done rank={rank} steps={step} digest={digest(model)}")
+    finish(ckpt, world)
     return 0
 
 
