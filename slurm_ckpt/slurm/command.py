@@ -83,12 +83,14 @@ def run_slurm(name: str, *args: str, timeout: float = 30.0) -> CommandResult:
         finally:
             # Our own handlers see anything that arrived meanwhile, once unblocked.
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-        try:
-            stdout, stderr = proc.communicate(timeout=max(timeout, 0.1))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise
+        with proc:
+            try:
+                stdout, stderr = proc.communicate(timeout=max(timeout, 0.1))
+            except subprocess.TimeoutExpired:
+                # As subprocess.run does: a grandchild may hold the pipes open.
+                proc.kill()
+                proc.wait()
+                raise
     except subprocess.TimeoutExpired:
         raise SlurmError(
             f"`{' '.join(argv)}` did not answer within {timeout:.0f}s; is slurmctld up?"
