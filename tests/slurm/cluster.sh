@@ -344,6 +344,9 @@ cmd_up() {
     cmd_down --force
     printf 'root=%s\nby=pid %s (%s)\n' "$ROOT" "${owner:-$$}" "$(date -Is)" > "$LOCK.info"
 
+    mkdir -p "$(dirname "$ROOT")"
+    runuser -u munge -- test -x "$(dirname "$ROOT")" \
+        || die "the munge user cannot reach $ROOT: put the cluster root where every user may traverse (not under a 0700 dir)"
     mkdir -p "$ROOT"/{etc,state,spool,run,log,shared}
     chmod 0755 "$ROOT"
     echo "$nodes" > "$ROOT/nodes"

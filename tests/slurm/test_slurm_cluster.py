@@ -86,6 +86,31 @@ def test_second_cluster_waits_for_the_lock(slurm_cluster: Cluster, tmp_path: Pat
     assert slurm_cluster.run("scontrol", "ping").count("is UP") == 1
 
 
+def test_failed_start_says_why_and_leaves_nothing(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """A cluster that cannot start fails with the daemons' own words and cleans up.
+
+    Its own root, lock and ports, so it does not touch the session's cluster.
+    """
+    # Not under tmp_path: pytest's temp dirs are 0700 and munged runs as munge.
+    root = Path(f"/tmp/slurm-ckpt-broken-{os.getpid()}")
+    env = slurm_cluster.env({"SLURM_CKPT_CLUSTER_ROOT": str(root),
+                             "SLURM_CKPT_CLUSTER_LOCK": str(tmp_path / "lock"),
+                             "SLURM_CKPT_CLUSTER_PORT": "26817"})  # fmt: skip
+    proc = subprocess.run(["bash", str(SCRIPT), "up", "--set", "NoSuchSetting=1"], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert proc.returncode != 0
+    assert "NoSuchSetting" in proc.stderr
+    assert "slurmctld did not start" in proc.stderr
+    assert not root.exists()
+    leftovers = subprocess.run(
+        ["pgrep", "-f", str(root)], capture_output=True, text=True, check=False
+    )
+    assert leftovers.stdout == ""
+    assert (
+        subprocess.run(["flock", "-n", str(tmp_path / "lock"), "true"], check=False).returncode == 0
+    )
+
+
 GLOO = """\
 import os, socket, torch, torch.distributed as dist
 rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
