@@ -1,0 +1,180 @@
+"""Where the engine's time goes, next to the device limit: the profile behind the bench.
+
+    python bench/profile_engine.py --size 1G --dir /path/on/the/disk [--reps 5]
+
+Each line removes one cost from the real engine path, measured interleaved in
+one run (medians), so the gaps between lines are the costs:
+
+write  raw O_DIRECT from one page-aligned buffer (the limit)
+       engine, from that same buffer (adds: checksum threads, planning)
+       engine, from the tensors, no checksum (adds: tensors' own memory)
+       engine, from the tensors (the real sync path, without the commit)
+       Checkpointer.save (adds: state.json, manifest, fsyncs, rename)
+read   raw O_DIRECT into memory already faulted in (the limit)
+       raw O_DIRECT into fresh memory (adds: page faults)
+       engine read (adds: checksums, one storage per large tensor)
+stall  memcpy of the state into a reused buffer, against the sync save
+       (the floor of the copy snapshot's stall ratio on this machine)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from slurm_ckpt import Checkpointer
+from slurm_ckpt.config import parse_size
+from slurm_ckpt.engine import writer as engine_writer
+from slurm_ckpt.engine.bench import _Raw, drop_cache, synthetic_state
+from slurm_ckpt.engine.buffers import memory_view
+from slurm_ckpt.engine.layout import plan_file
+from slurm_ckpt.engine.reader import read_tensor_file
+from slurm_ckpt.engine.staging import Staging
+from slurm_ckpt.engine.writer import write_image
+from slurm_ckpt.store.codec import encode_state
+from slurm_ckpt.store.verify import verify_checkpoint
+
+
+@contextlib.contextmanager
+def no_checksum() -> Iterator[None]:
+    real = engine_writer.zlib
+    engine_writer.zlib = type("NoCrc", (), {"crc32": staticmethod(lambda data, value=0: 0)})  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        engine_writer.zlib = real
+
+
+def timed(fn: Callable[[], Any], before: Callable[[], Any] = lambda: None) -> float:
+    before()
+    t0 = time.perf_counter()
+    out = fn()
+    secs = time.perf_counter() - t0
+    del out
+    return secs
+
+
+def table(title: str, nbytes: int, rows: dict[str, list[float]], base: str) -> None:
+    print(f"\n{title}")
+    ref = statistics.median(rows[base])
+    for name, ts in rows.items():
+        m = statistics.median(ts)
+        print(f"  {name:<46} {m:7.3f} s {nbytes / m / 1e9:6.2f} GB/s  x{ref / m:5.2f} of {base}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="1G")
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    root = Path(args.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    state = synthetic_state(parse_size(args.size))
+    enc = encode_state(state)
+    image = plan_file(enc.tensors)
+    staged, _ = Staging().stage(encode_state(state).tensors)
+    raw = _Raw(image.size, 8 << 20)
+    out = root / "profile.bin"
+    ck = Checkpointer(root / "ckpt", keep=1000, distributed=False)
+
+    def fresh() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            out.unlink()
+        shutil.rmtree(root / "ckpt" / "step-000000001", ignore_errors=True)
+        os.sync()
+
+    writes: dict[str, list[float]] = {}
+    for _ in range(args.reps):
+        cases: list[tuple[str, Callable[[], Any]]] = [
+            ("raw O_DIRECT x4 (limit)", lambda: raw.write(out, 4)),
+            ("engine, from one aligned buffer", lambda: write_image(out, staged)),
+            ("engine, from the tensors, no checksum", lambda: _nocrc(out, image)),
+            ("engine, from the tensors", lambda: write_image(out, image)),
+            ("Checkpointer.save", lambda: ck.save(state, 1)),
+        ]
+        for name, fn in cases:
+            writes.setdefault(name, []).append(timed(fn, fresh))
+    table("WRITE", image.size, writes, "raw O_DIRECT x4 (limit)")
+
+    path = ck.save(state, 1)
+    rec = verify_checkpoint(path).files["tensors-00000.safetensors"]
+    raw.write(out, 4)
+    warm = _Raw(image.size, 8 << 20)  # its buffer is faulted in already
+    reads: dict[str, list[float]] = {}
+    for _ in range(args.reps):
+        cases = [
+            ("raw O_DIRECT x4 into faulted memory (limit)", lambda: warm.read(out, 4)),
+            ("raw O_DIRECT x4 into fresh memory", lambda: _fresh_read(out, image.size)),
+            ("engine read", lambda: read_tensor_file(path / "tensors-00000.safetensors", rec)),
+        ]
+        for name, fn in cases:
+            reads.setdefault(name, []).append(timed(fn, lambda: drop_cache([out, path])))
+    table("READ (cold cache)", image.size, reads, "raw O_DIRECT x4 into faulted memory (limit)")
+
+    staging = Staging()
+    staging.stage(encode_state(state).tensors)  # first stage allocates
+    stall: dict[str, list[float]] = {}
+    for _ in range(args.reps):
+        stall.setdefault("Checkpointer.save", []).append(timed(lambda: ck.save(state, 1), fresh))
+        stall.setdefault("memcpy into the reused staging buffer", []).append(
+            timed(lambda: staging.stage(encode_state(state).tensors)))  # fmt: skip
+    table("ASYNC STALL FLOOR (copy snapshot)", image.size, stall, "Checkpointer.save")
+    ck.close()
+    shutil.rmtree(root / "ckpt", ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        out.unlink()
+    print(f"\ncrc32 of 64 MiB on one core: {_crc_rate():.2f} GB/s")
+
+
+def _nocrc(out: Path, image: Any) -> None:
+    with no_checksum():
+        write_image(out, image)
+
+
+def _fresh_read(path: Path, nbytes: int) -> None:
+    import torch
+
+    buf = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    base = buf.data_ptr() + (-buf.data_ptr() % 4096)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        chunk = 8 << 20
+        offs = iter(range(0, nbytes - nbytes % 4096, chunk))
+        lock = threading.Lock()
+
+        def work() -> None:
+            while True:
+                with lock:
+                    off = next(offs, None)
+                if off is None:
+                    return
+                os.preadv(fd, [memory_view(base + off, min(chunk, nbytes - nbytes % 4096 - off))], off)
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        os.close(fd)
+
+
+def _crc_rate() -> float:
+    data = memoryview(os.urandom(64 << 20))
+    t0 = time.perf_counter()
+    zlib.crc32(data)
+    return len(data) / (time.perf_counter() - t0) / 1e9
+
+
+if __name__ == "__main__":
+    main()
