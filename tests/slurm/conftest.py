@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -50,7 +51,7 @@ class _Slot:
         try:
             # Below pytest-timeout (600 s), so a busy machine fails with the lock's message.
             cluster.up(owner=os.getpid(), lock_timeout=_LOCK_TIMEOUT)
-        except (ClusterError, OSError) as e:
+        except (ClusterError, OSError, subprocess.SubprocessError) as e:
             self.error = str(e)
             pytest.fail(f"the Slurm test cluster could not start:\n{e}")
         self.cluster = cluster
