@@ -89,10 +89,6 @@ class ForkJob(SaveJob):
         self.writer.close()
         super().close()
 
-    def abandon(self) -> None:
-        self.writer.kill()
-        super().close()
-
 
 class LazyJob(SaveJob):
     """Copies the live tensors into staging on the first write, in the background.
