@@ -26,6 +26,7 @@ import errno
 import math
 import mmap as _mmap
 import os
+import stat
 import threading
 import zlib
 from collections.abc import Callable
@@ -57,7 +58,11 @@ def read_tensor_file(
     checksum mismatch, and :class:`StorageError` on an I/O error.
     """
     try:
-        with open(path, "rb", buffering=0) as f:
+        # O_NOFOLLOW, and regular files only: as the store's own reads (a planted
+        # symlink or FIFO in a run dir must not be followed or hang the load).
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK), "rb", buffering=0) as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise CheckpointCorrupt(f"{path}: not a regular file", path)
             size = os.fstat(f.fileno()).st_size
             if size != expected.size:
                 raise CheckpointCorrupt(f"{path}: size is {size}, manifest expects {expected.size}", path)
@@ -224,7 +229,7 @@ def _open_direct(path: Path) -> int:
     if not flag:
         return -1
     try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | flag)
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | flag)
     except OSError as e:
         if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return -1

@@ -360,3 +360,16 @@ def test_gc_paused_restores_the_callers_setting() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_the_reader_refuses_fifos_and_symlinks(tmp_path: Path) -> None:
+    from slurm_ckpt.errors import StorageError
+
+    os.mkfifo(tmp_path / "fifo")  # a read would hang forever without O_NONBLOCK + the check
+    with pytest.raises(CheckpointCorrupt, match="not a regular file"):
+        read_tensor_file(tmp_path / "fifo", FileRecord(0, "00000000"))
+    enc = encode_state({"a": torch.randn(4)})
+    rec = write_image(tmp_path / "real.safetensors", plan_file(enc.tensors))
+    (tmp_path / "link.safetensors").symlink_to(tmp_path / "real.safetensors")
+    with pytest.raises(StorageError):
+        read_tensor_file(tmp_path / "link.safetensors", rec)
