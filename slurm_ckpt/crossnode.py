@@ -100,6 +100,14 @@ class CrossNode:
         ``fast`` is this rank's fast-tier dir (``<scratch>/ckpt``) or None.
         """
         host = socket.gethostname()
+        if fast is not None:
+            try:
+                RunDir(fast / sh.shard_name(group.rank)).ensure()
+                # Tells the epilog where this node's shards go (read as untrusted input).
+                write_tier_file(fast, durable.path)
+            except OSError as e:
+                log.warning("cannot use scratch %s (%s)", fast, e)
+                fast = None
         peers = group.all_gather((fast is not None, host))
         if not any(has for has, _ in peers):
             return None
@@ -111,16 +119,19 @@ class CrossNode:
         elif without and group.rank == 0:
             log.warning("no node-local scratch on %s: those ranks save straight to %s", ", ".join(without),
                         durable.path)  # fmt: skip
-        self = cls(group, durable, fast, **kwargs)
-        durable.ensure()
+        err: BaseException | None = None
         if group.rank == 0:
-            durable.lock()  # one job writes a run dir; the other ranks assemble under .shards.lock
-        if fast is not None:
-            assert self.fast is not None
-            self.fast.ensure()
-            # Tells the epilog where this node's shards go (read as untrusted input).
-            write_tier_file(fast, durable.path)
-        return self
+            try:
+                # One job writes a run dir; the other ranks assemble under .shards.lock.
+                durable.lock()
+            except OSError as e:  # LockHeld too: every rank must hear of it, not wait forever
+                err = e
+        failed = group.broadcast(None if err is None else str(err))
+        if err is not None:
+            raise err
+        if failed is not None:
+            raise ShardError(f"rank 0 cannot write {durable.path}: {failed}")
+        return cls(group, durable, fast, **kwargs)
 
     # -- saving (collective) ---------------------------------------------------
     def commit(self, step: int, write: WriteFn, **meta: Any) -> Path:
