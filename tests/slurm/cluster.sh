@@ -19,7 +19,8 @@
 # Only one cluster runs on a machine at a time (ports, namespace names): `up`
 # waits for an exclusive flock on $LOCK and hands it to a small holder process
 # that keeps it until `down`. With --owner PID the holder tears the cluster
-# down by itself once PID is gone, so a killed test run leaves nothing behind.
+# down by itself once PID is gone, so a killed test run leaves nothing behind;
+# without, after SLURM_CKPT_CLUSTER_IDLE_TIMEOUT (1800) idle seconds.
 set -euo pipefail
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
@@ -29,11 +30,14 @@ ROOT=${SLURM_CKPT_CLUSTER_ROOT:-/tmp/slurm-ckpt-cluster}
 LOCK=${SLURM_CKPT_CLUSTER_LOCK:-/run/lock/slurm-ckpt-cluster.lock}
 LOCK_TIMEOUT=${SLURM_CKPT_CLUSTER_LOCK_TIMEOUT:-1800}
 START_TIMEOUT=${SLURM_CKPT_CLUSTER_START_TIMEOUT:-90}
+IDLE_TIMEOUT=${SLURM_CKPT_CLUSTER_IDLE_TIMEOUT:-1800}   # a cluster started by hand
 CTLD_PORT=${SLURM_CKPT_CLUSTER_PORT:-16817}
 SLURMD_PORT=$((CTLD_PORT + 1))
 NET=${SLURM_CKPT_CLUSTER_NET:-10.77.0}   # /24: bridge .1, nodeI .(10+I)
-BRIDGE=sckbr0
-NS_PREFIX=slurm-ckpt-node
+# All of the above and these two must differ for a second cluster on the same
+# machine (with its own LOCK); the default is one cluster, serialized by LOCK.
+BRIDGE=${SLURM_CKPT_CLUSTER_BRIDGE:-sckbr0}
+NS_PREFIX=${SLURM_CKPT_CLUSTER_NETNS:-slurm-ckpt-node}
 HOLDER_TAG=slurm-ckpt-cluster-holder
 CONF=$ROOT/etc/slurm.conf
 
@@ -134,9 +138,16 @@ cmd_down() {
 }
 
 remove_network() {
-    local ns
+    local ns pids
     for ns in $(ip netns list 2>/dev/null | awk '{print $1}'); do
-        case $ns in "$NS_PREFIX"*) ip netns del "$ns" 2>/dev/null || true ;; esac
+        case $ns in
+            "$NS_PREFIX"*)
+                # Normally none are left; after a lost $ROOT these are our slurmds and jobs.
+                pids=$(ip netns pids "$ns" 2>/dev/null || true)
+                # shellcheck disable=SC2086
+                [ -z "$pids" ] || kill -KILL $pids 2>/dev/null || true
+                ip netns del "$ns" 2>/dev/null || true ;;
+        esac
     done
     ip link del "$BRIDGE" 2>/dev/null || true
 }
@@ -270,8 +281,8 @@ start_nodes() {
     for i in $(seq "$nodes"); do
         name=node$i; ns=$NS_PREFIX$i
         ip netns add "$ns"
-        ip link add "sckv$i" type veth peer name eth0 netns "$ns"
-        ip link set "sckv$i" master "$BRIDGE" up
+        ip link add "$BRIDGE-v$i" type veth peer name eth0 netns "$ns"
+        ip link set "$BRIDGE-v$i" master "$BRIDGE" up
         ip -n "$ns" addr add "$NET.$((10 + i))/24" dev eth0
         ip -n "$ns" link set eth0 up
         ip -n "$ns" link set lo up
@@ -298,16 +309,27 @@ wait_ready() {
     done
 }
 
-# Keeps the lock (fd 9) for the cluster's lifetime; with an owner, also tears
-# the cluster down once the owner is gone.
+# Keeps the lock (fd 9) for the cluster's lifetime, then tears the cluster
+# down: with an owner, once the owner is gone; without one (started by hand),
+# once it has been idle (no job queued, slurmctld.log unchanged) for
+# $IDLE_TIMEOUT seconds, so a forgotten cluster does not block every other
+# test run on the machine.
 start_holder() {
     local owner=$1
     # shellcheck disable=SC2016
     setsid bash -c 'echo $$ > "$3/run/holder.pid"
-        if [ -z "$1" ]; then exec -a "$0" sleep infinity; fi
-        while kill -0 "$1" 2>/dev/null; do sleep 2 9>&-; done
-        HOLDER_SELF=$$ SLURM_CKPT_CLUSTER_ROOT="$3" bash "$2" down --force >/dev/null 2>&1' \
-        "$HOLDER_TAG" "$owner" "$HERE/cluster.sh" "$ROOT" </dev/null >/dev/null 2>&1 &
+        owner=$1 script=$2 root=$3 idle=$4 last=$(date +%s)
+        while :; do
+            sleep 2 9>&-
+            if [ -n "$owner" ]; then kill -0 "$owner" 2>/dev/null || break; continue; fi
+            now=$(date +%s)
+            busy=$(SLURM_CONF="$root/etc/slurm.conf" timeout 10 squeue -h -o %A 2>/dev/null | head -1)
+            logged=$(stat -c %Y "$root/log/slurmctld.log" 2>/dev/null || echo 0)
+            if [ -n "$busy" ] || [ $((now - logged)) -lt 10 ]; then last=$now; fi
+            [ $((now - last)) -lt "$idle" ] || break
+        done
+        HOLDER_SELF=$$ SLURM_CKPT_CLUSTER_ROOT="$root" bash "$script" down --force >/dev/null 2>&1' \
+        "$HOLDER_TAG" "$owner" "$HERE/cluster.sh" "$ROOT" "$IDLE_TIMEOUT" </dev/null >/dev/null 2>&1 &
     local i
     for i in $(seq 50); do [ -s "$ROOT/run/holder.pid" ] && return 0; sleep 0.1; done
     die "lock holder did not start"

@@ -169,9 +169,9 @@ def test_down_removes_namespaces_processes_and_lock(
     netns = subprocess.run(
         ["ip", "netns", "list"], capture_output=True, text=True, check=True
     ).stdout
-    assert "slurm-ckpt-node" not in netns
+    assert SETTINGS.get("SLURM_CKPT_CLUSTER_NETNS", "slurm-ckpt-node") not in netns
     links = subprocess.run(["ip", "link"], capture_output=True, text=True, check=True).stdout
-    assert "sckbr0" not in links and "sckv" not in links
+    assert SETTINGS.get("SLURM_CKPT_CLUSTER_BRIDGE", "sckbr0") not in links
     assert not slurm_cluster3.root.exists()
     lock = SETTINGS.get("SLURM_CKPT_CLUSTER_LOCK", "/run/lock/slurm-ckpt-cluster.lock")
     free = subprocess.run(["flock", "-n", lock, "true"], check=False)
