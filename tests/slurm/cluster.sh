@@ -38,6 +38,7 @@ NET=${SLURM_CKPT_CLUSTER_NET:-10.77.0}   # /24: bridge .1, nodeI .(10+I)
 # machine (with its own LOCK); the default is one cluster, serialized by LOCK.
 BRIDGE=${SLURM_CKPT_CLUSTER_BRIDGE:-sckbr0}
 NS_PREFIX=${SLURM_CKPT_CLUSTER_NETNS:-slurm-ckpt-node}
+VETH=${SLURM_CKPT_CLUSTER_VETH:-sckv}   # host end of node i's link: ${VETH}i
 HOLDER_TAG=slurm-ckpt-cluster-holder
 CONF=$ROOT/etc/slurm.conf
 
@@ -148,6 +149,12 @@ remove_network() {
                 [ -z "$pids" ] || kill -KILL $pids 2>/dev/null || true
                 ip netns del "$ns" 2>/dev/null || true ;;
         esac
+    done
+    # The kernel frees a deleted namespace (and the veth ends in it) lazily;
+    # delete our host ends now so an `up` right after finds the names free.
+    local link
+    for link in $(ip -o link show 2>/dev/null | awk -F': ' '{split($2, a, "@"); print a[1]}'); do
+        case $link in "$VETH"[0-9]*) ip link del "$link" 2>/dev/null || true ;; esac
     done
     ip link del "$BRIDGE" 2>/dev/null || true
 }
@@ -281,8 +288,8 @@ start_nodes() {
     for i in $(seq "$nodes"); do
         name=node$i; ns=$NS_PREFIX$i
         ip netns add "$ns"
-        ip link add "$BRIDGE-v$i" type veth peer name eth0 netns "$ns"
-        ip link set "$BRIDGE-v$i" master "$BRIDGE" up
+        ip link add "$VETH$i" type veth peer name eth0 netns "$ns"
+        ip link set "$VETH$i" master "$BRIDGE" up
         ip -n "$ns" addr add "$NET.$((10 + i))/24" dev eth0
         ip -n "$ns" link set eth0 up
         ip -n "$ns" link set lo up

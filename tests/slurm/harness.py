@@ -133,6 +133,12 @@ class Cluster:
             return "127.0.0.1"
         return f"{SETTINGS.get('SLURM_CKPT_CLUSTER_NET', '10.77.0')}.{10 + int(node[4:])}"
 
+    def node_link(self, node: str) -> str:
+        """Host end of ``node``'s veth: ``ip link set <it> down`` cuts the node off."""
+        if self.nodes == 1:
+            raise ClusterError("a one-node cluster runs in the host network; it has no link")
+        return f"{SETTINGS.get('SLURM_CKPT_CLUSTER_VETH', 'sckv')}{int(node[4:])}"
+
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
         env.update(SETTINGS)

@@ -172,6 +172,7 @@ def test_down_removes_namespaces_processes_and_lock(
     assert SETTINGS.get("SLURM_CKPT_CLUSTER_NETNS", "slurm-ckpt-node") not in netns
     links = subprocess.run(["ip", "link"], capture_output=True, text=True, check=True).stdout
     assert SETTINGS.get("SLURM_CKPT_CLUSTER_BRIDGE", "sckbr0") not in links
+    assert slurm_cluster3.node_link("node1") not in links
     assert not slurm_cluster3.root.exists()
     lock = SETTINGS.get("SLURM_CKPT_CLUSTER_LOCK", "/run/lock/slurm-ckpt-cluster.lock")
     free = subprocess.run(["flock", "-n", lock, "true"], check=False)
