@@ -447,5 +447,5 @@ case ${1:-} in
     env) shift; cmd_env ;;
     reconfigure) shift; cmd_reconfigure "$@" ;;
     exec) shift; cmd_exec "$@" ;;
-    *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) sed -n '2,/^set -euo/p' "$0" | sed -n 's/^# \{0,1\}//p'; exit 2 ;;
 esac
