@@ -81,9 +81,11 @@ def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float) -> Shar
             errors.append(f"{rank_dir}: {e}")
             continue
         seen += len(shards)
-        for shard in shards:
+        for i, shard in enumerate(shards):
             if newest is not None and shard.step <= newest:
                 break  # older ones too: the durable tier has a newer whole checkpoint
+            if i and _superseded(durable, shard.step):
+                break  # another node's epilog completed a newer one meanwhile
             name = f"{sh.shard_name(shard.rank)} step {shard.step}"
             try:
                 sh.stage_shard(shard, durable)
@@ -107,6 +109,7 @@ def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float) -> Shar
                 staged.append(f"{name} -> {done} (complete)")
                 if committed is None or shard.step > committed[0]:
                     committed = (shard.step, str(done))
+                break  # this rank's older shards are superseded by a whole checkpoint
             else:
                 staged.append(f"{name} staged, waiting for other nodes' shards")
     where = f"on {socket.gethostname()} in {time.monotonic() - start:.3f}s: "
