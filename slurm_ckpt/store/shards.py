@@ -273,6 +273,10 @@ def stage_shard(shard: LocalShard, durable: Path) -> Path:
         # Read it back: the copy's checksum was computed on what was read, not on what landed.
         for name, rec in man.files.items():
             _verify_file(tmp / name, rec)
+        # Subdirs' entries need an fsync of their own (deepest first); tmp itself is fsynced later.
+        subdirs = {p for n in man.files for p in (tmp / n).parents if p != tmp and tmp in p.parents}
+        for d in sorted(subdirs, key=lambda p: len(p.parts), reverse=True):
+            fsync_dir(d)
         return files, man.tensors
 
     _mkdirs(stage)
