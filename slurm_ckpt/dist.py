@@ -117,15 +117,20 @@ class _Group:
         self.td = td
         self.rank, self.world = td.get_rank(), td.get_world_size()
         self.pg = td.new_group(backend="gloo")
+        # The step-boundary agreement runs on the training thread while a
+        # save_async commit may be running collectives on its own thread: two
+        # threads on one group can pair up different calls on different ranks
+        # and hang, so each gets a group of its own.
+        self.pg_step = td.new_group(backend="gloo")
 
     def broadcast(self, obj: Any) -> Any:
         box = [obj]
         self.td.broadcast_object_list(box, src=0, group=self.pg)
         return box[0]
 
-    def all_gather(self, obj: Any) -> list[Any]:
+    def all_gather(self, obj: Any, *, step: bool = False) -> list[Any]:
         out: list[Any] = [None] * self.world
-        self.td.all_gather_object(out, obj, group=self.pg)
+        self.td.all_gather_object(out, obj, group=self.pg_step if step else self.pg)
         return out
 
 
@@ -158,7 +163,7 @@ class ShardedRunDir:
         rank 0 could start a collective save while rank 1 runs another step.
         """
         g = self.group()
-        return flag if g is None else any(g.all_gather(bool(flag)))
+        return flag if g is None else any(g.all_gather(bool(flag), step=True))
 
     def group(self) -> _Group | None:
         """The coordination group, created on first use; None when not sharded.

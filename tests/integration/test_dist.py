@@ -108,6 +108,13 @@ def test_async_sharded_save_from_background_thread(pair: dict[str, Any]) -> None
         assert got["loaded_weight"] == [float(r * 100 + 7)] * 4
 
 
+def test_agreement_and_background_save_do_not_cross(pair: dict[str, Any]) -> None:
+    for r in range(WORLD):
+        got = pair["ranks"][r]["overlap"]
+        assert got["loaded_step"] == 5 and got["loaded_weight"] == [float(r * 100 + 5)] * 4
+        assert got["stops"] == 0
+
+
 def test_rank_from_slurm_without_a_process_group(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from slurm_ckpt import Checkpointer
 
@@ -219,13 +226,34 @@ def _scenario_async(run: Path, rank: int) -> dict[str, Any]:
     return {"loaded_step": again.loaded_step, "loaded_weight": state["w"].tolist()}
 
 
+def _scenario_overlap(run: Path, rank: int) -> dict[str, Any]:
+    """Step-boundary agreement on the training thread while a background save
+    runs its own collectives: they must not pair up across ranks."""
+    from slurm_ckpt import Checkpointer
+
+    ckpt = Checkpointer(run)
+    agreed = []
+    for step in range(1, 6):
+        h = ckpt.save_async(_state(rank, step), step=step)
+        # The same number of calls on every rank, as training steps would be.
+        agreed += [ckpt.maybe_save(lambda: None, step, every=0) for _ in range(30)]
+        h.wait(60)
+    ckpt.close()
+    again = Checkpointer(run)
+    state = again.load_latest()
+    again.close()
+    return {"loaded_step": again.loaded_step, "loaded_weight": state["w"].tolist(),
+            "agreements": len(agreed), "stops": sum(agreed)}  # fmt: skip
+
+
 def _worker(rank: int, world: int, port: int, runs: Path, out: Path) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     results = {}
     for name, fn in [("basic", _scenario_basic), ("fail", _scenario_fail), ("corrupt", _scenario_corrupt),
-                     ("agree", _scenario_agree), ("async", _scenario_async)]:  # fmt: skip
+                     ("agree", _scenario_agree), ("async", _scenario_async),
+                     ("overlap", _scenario_overlap)]:  # fmt: skip
         results[name] = fn(runs / name, rank)
         dist.barrier()
     out.write_text(json.dumps(results))
