@@ -42,7 +42,7 @@ RUNNING = (
     "NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=1,node=1,billing=1 "
     "Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=1 MinMemoryNode=0 MinTmpDiskNode=0 "
     "Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) "
-    "Command=(null) WorkDir=/tmp/h3 Comment=a b=c Reason=x  StdErr=/dev/null StdIn=/dev/null "
+    "Command=(null) WorkDir=/tmp/job Comment=a b=c Reason=x  StdErr=/dev/null StdIn=/dev/null "
     "StdOut=/dev/null Power= \n"
 )
 ARRAY_TASK = (
