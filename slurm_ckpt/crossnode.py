@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from .errors import CheckpointCorrupt, ConfigError, ShardError
 from .store import RunDir, Skipped, iter_valid, note_skip
 from .store import shards as sh
 from .store.commit import WriteFn
+from .store.drainer import Drainer
 from .store.layout import step_dir
 from .store.manifest import Manifest
 from .store.retention import apply_retention, discard_checkpoint
@@ -73,8 +73,6 @@ class CrossNode:
                  lock_timeout: float | None = 0, on_lag: Callable[[float], None] | None = None,
                  drain: bool = True) -> None:  # fmt: skip
         self.group, self.durable, self.keep = group, durable, keep
-        self._drain = drain
-        """False (storage.drain): shards stay on scratch until the epilog stages them out."""
         self.rank, self.world = group.rank, group.world
         self.fast = (
             None
@@ -82,14 +80,16 @@ class CrossNode:
             else RunDir(fast / sh.shard_name(group.rank), lock_timeout=lock_timeout)
         )
         self._on_lag = on_lag
-        self._cv = threading.Condition()
-        self._pending: _Item | None = None
-        self._draining: _Item | None = None
-        self._newest: _Item | None = None
-        """The newest shard of this rank not yet staged on the durable tier."""
         self._durable: set[int] = set()
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._drainer: Drainer[_Item] = Drainer(
+            self._stage,
+            name="slurm-ckpt-shard-drain",
+            describe=lambda item: f"copying shard {sh.shard_name(self.rank)} of step {item.step} "
+            f"to the durable tier {self.durable.path}",
+            enabled=drain,
+            on_done=self._done,
+            on_change=self._report_lag,
+        )
 
     @classmethod
     def setup(
@@ -169,7 +169,7 @@ class CrossNode:
         # have to reach the durable tier; the last one there assembles step-N.
         if self.fast is not None:
             shard = sh.LocalShard(step, save_id, self.rank, self.world, path, Manifest.read(path))
-            self._submit(_Item(step, save_id, shard, time.time()))
+            self._drainer.submit(_Item(step, save_id, shard, time.time()))
         return path
 
     def retain(self, protect: list[Path]) -> list[Path]:
@@ -179,66 +179,25 @@ class CrossNode:
         return apply_retention(self.fast.path, self.keep, protect=[*protect, *self.protected()])
 
     def protected(self) -> set[Path]:
-        with self._cv:
-            return {
-                i.shard.path for i in (self._pending, self._draining, self._newest) if i is not None
-            }
+        return {i.shard.path for i in self._drainer.in_flight()}
 
     # -- the drain ---------------------------------------------------------------
-    def _submit(self, item: _Item) -> None:
-        with self._cv:
-            self._pending = self._newest = item
-            self._report_lag()
-            if not self._drain:
-                self._pending = None  # kept as _newest (protected) for the epilog
-                return
-            if self._thread is None:
-                # Not a daemon: the interpreter waits for a copy in progress at exit.
-                self._thread = threading.Thread(target=self._run, name="slurm-ckpt-shard-drain")
-                self._thread.start()
+    def _stage(self, item: _Item) -> tuple[Path, Path | None]:
+        staged = sh.stage_shard(item.shard, self.durable.path)
+        done = sh.complete(self.durable.path, item.step, item.save_id, self.world, keep=self.keep, by="drain")
+        return staged, done
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                item = self._draining = self._pending
-                self._pending = None
-                if item is None:
-                    self._thread = None
-                    self._cv.notify_all()
-                    return
-            try:
-                staged = sh.stage_shard(item.shard, self.durable.path)
-                done = sh.complete(
-                    self.durable.path,
-                    item.step,
-                    item.save_id,
-                    self.world,
-                    keep=self.keep,
-                    by="drain",
-                )
-            except Exception as e:  # surfaced by the Checkpointer per storage.on_async_error
-                log.error("copying shard %s of step %d to the durable tier %s failed: %s; it stays on "
-                          "scratch for the next save or the epilog", sh.shard_name(self.rank), item.step,
-                          self.durable.path, e)  # fmt: skip
-                with self._cv:
-                    self._error = e
-            else:
-                log.info("shard %s of step %d is durable: %s%s", sh.shard_name(self.rank), item.step, staged,
-                         f"; checkpoint committed: {done}" if done else "; waiting for other ranks' shards")  # fmt: skip
-                with self._cv:
-                    if done is not None:
-                        self._durable.add(item.step)
-                    if self._newest == item:
-                        self._newest = None
-            finally:
-                with self._cv:
-                    self._draining = None
-                    self._report_lag()
-                    self._cv.notify_all()
+    def _done(self, item: _Item, result: tuple[Path, Path | None]) -> None:
+        # Called by the drainer with its lock held.
+        staged, done = result
+        log.info("shard %s of step %d is durable: %s%s", sh.shard_name(self.rank), item.step, staged,
+                 f"; checkpoint committed: {done}" if done else "; waiting for other ranks' shards")  # fmt: skip
+        if done is not None:
+            self._durable.add(item.step)
 
     def _report_lag(self) -> None:
         if self._on_lag is not None:
-            item = self._newest
+            item = self._drainer.newest
             self._on_lag(time.time() - item.at if item is not None else 0.0)
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -246,13 +205,11 @@ class CrossNode:
 
         The checkpoint itself is committed once the slowest rank's shard is there.
         """
-        with self._cv:
-            idle = self._cv.wait_for(lambda: self._thread is None, timeout)
-            return idle and self._newest is None
+        return self._drainer.drain(timeout)
 
     def is_durable(self, step: int) -> bool:
         """True once checkpoint ``step`` is committed (every shard) on the durable tier."""
-        with self._cv:
+        with self._drainer.cv:
             if step in self._durable:
                 return (step_dir(self.durable.path, step) / "MANIFEST.json").is_file()
         try:
@@ -264,9 +221,7 @@ class CrossNode:
         return True
 
     def take_error(self) -> BaseException | None:
-        with self._cv:
-            err, self._error = self._error, None
-            return err
+        return self._drainer.take_error()
 
     def close(self, timeout: float | None = None) -> bool:
         try:

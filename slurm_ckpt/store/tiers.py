@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointCorrupt, NoSpace, storage_error
+from .drainer import Drainer
 from .fsutil import fsync_dir, write_file_durably
 from .layout import step_dir
 from .manifest import MANIFEST
@@ -120,20 +120,20 @@ class Tiers:
         drain: bool = True,
     ) -> None:
         self.fast, self.durable, self.keep = fast, durable, keep
-        self._drain = drain
-        """False (storage.drain): nothing is copied while the job runs; the epilog stages out."""
         self._policy = policy or RetryPolicy()
         self._on_lag = on_lag
-        self._cv = threading.Condition()
-        self._pending: _Item | None = None
-        self._draining: _Item | None = None
-        self._newest: _Item | None = None
-        """The newest checkpoint on the fast tier that is not durable yet."""
         self._durable: dict[int, Path] = {}
         self._undurable_since: list[float] = []
         """Commit times of checkpoints newer than the newest durable one (stage-out lag)."""
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._drainer: Drainer[_Item] = Drainer(
+            lambda item: self._copy(item.path),
+            name="slurm-ckpt-drain",
+            describe=lambda item: f"copying checkpoint {item.step} ({item.path}) to the durable "
+            f"tier {self.durable.path}",
+            enabled=drain,
+            on_done=self._done,
+            on_change=self._report_lag,
+        )
 
     def __repr__(self) -> str:
         return f"Tiers(fast={str(self.fast.path)!r}, durable={str(self.durable.path)!r})"
@@ -162,34 +162,22 @@ class Tiers:
     def submit(self, step: int, path: Path) -> None:
         """Queue a checkpoint just committed to the fast tier for the durable tier."""
         item = _Item(step, path, time.time())
-        with self._cv:
+        with self._drainer.cv:
             self._durable.pop(step, None)
-            self._pending = self._newest = item
             self._undurable_since.append(item.at)
-            self._report_lag()
-            if not self._drain:
-                self._pending = None  # kept as _newest (protected) for the epilog's stage-out
-                return
-            if self._thread is None:
-                # Not a daemon: the interpreter waits for a copy in progress at exit.
-                self._thread = threading.Thread(target=self._run, name="slurm-ckpt-drain")
-                self._thread.start()
+            self._drainer.submit(item)
 
     def protected(self) -> set[Path]:
         """Fast-tier checkpoints that retention must keep: not durable yet, or being copied."""
-        with self._cv:
-            return {i.path for i in (self._pending, self._draining, self._newest) if i is not None}
+        return {i.path for i in self._drainer.in_flight()}
 
     def is_durable(self, step: int) -> bool:
         """True once checkpoint ``step`` is committed on the durable tier."""
-        with self._cv:
+        with self._drainer.cv:
             if step in self._durable:
                 # Still there? Retention on the durable tier may have removed it since.
                 return (self._durable[step] / MANIFEST).is_file()
-            if any(
-                i is not None and i.step == step
-                for i in (self._pending, self._draining, self._newest)
-            ):
+            if any(i.step == step for i in self._drainer.in_flight()):
                 return False
         try:
             verify_checkpoint(step_dir(self.durable.path, step), full=False)
@@ -200,7 +188,7 @@ class Tiers:
     @property
     def durable_step(self) -> int | None:
         """The newest step this writer has made durable, or None."""
-        with self._cv:
+        with self._drainer.cv:
             return max(self._durable, default=None)
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -209,15 +197,11 @@ class Tiers:
         False when ``timeout`` (seconds) passed first or the copy failed; the
         checkpoint is then still on scratch, where the epilog stages it out.
         """
-        with self._cv:
-            idle = self._cv.wait_for(lambda: self._thread is None, timeout)
-            return idle and self._newest is None
+        return self._drainer.drain(timeout)
 
     def take_error(self) -> BaseException | None:
         """The last copy error, once; None if there was none since the last call."""
-        with self._cv:
-            err, self._error = self._error, None
-            return err
+        return self._drainer.take_error()
 
     def close(self, timeout: float | None = None) -> bool:
         """Drain, then release both run dirs' locks. Returns what :meth:`drain` does."""
@@ -227,35 +211,11 @@ class Tiers:
             self.fast.unlock()
             self.durable.unlock()
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                item = self._draining = self._pending
-                self._pending = None
-                if item is None:
-                    self._thread = None
-                    self._cv.notify_all()
-                    return
-            try:
-                dst = self._copy(item.path)
-            except Exception as e:  # surfaced by the Checkpointer per storage.on_async_error
-                log.error("copying checkpoint %d to the durable tier %s failed: %s; it stays on "
-                          "scratch (%s) for the next save or the epilog", item.step,
-                          self.durable.path, e, item.path)  # fmt: skip
-                with self._cv:
-                    self._error = e
-            else:
-                log.info("checkpoint %d is durable: %s", item.step, dst)
-                with self._cv:
-                    self._durable[item.step] = dst
-                    self._undurable_since = [t for t in self._undurable_since if t > item.at]
-                    if self._newest == item:
-                        self._newest = None
-            finally:
-                with self._cv:
-                    self._draining = None
-                    self._report_lag()
-                    self._cv.notify_all()
+    def _done(self, item: _Item, dst: Path) -> None:
+        # Called by the drainer with its lock held.
+        log.info("checkpoint %d is durable: %s", item.step, dst)
+        self._durable[item.step] = dst
+        self._undurable_since = [t for t in self._undurable_since if t > item.at]
 
     def _copy(self, src: Path) -> Path:
         what = f"copying {src} to {self.durable.path}"
