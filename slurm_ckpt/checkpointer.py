@@ -14,18 +14,23 @@ from .control import Control
 from .crossnode import CrossNode
 from .dist import ShardedRunDir, rank_info
 from .engine import Engine, SaveHandle
-from .errors import CheckpointCorrupt
 from .metrics import Metrics
-from .store import RunDir, Skipped, find_latest, iter_valid, note_skip
+from .placement import Collective, Local, Placement
+from .store import RunDir, Skipped, find_latest
 from .store.commit import WriteFn
-from .store.layout import step_dir
-from .store.retry import RetryPolicy, commit_resilient
+from .store.retry import RetryPolicy
 from .store.tiers import Tiers, fast_dir, usable_scratch
-from .store.verify import verify_checkpoint
 
 __all__ = ["Checkpointer", "SaveHandle"]
 
 log = logging.getLogger("slurm_ckpt")
+
+
+def _named_scratch(scratch: str | Path | bool | None) -> Path | None:
+    """The scratch dir asked for: the argument, else $SLURM_CKPT_SCRATCH; None for ``False``."""
+    if scratch is False:
+        return None
+    return scratch_dir() if scratch is None or scratch is True else Path(scratch)
 
 
 class Checkpointer:
@@ -70,12 +75,9 @@ class Checkpointer:
         self.loaded_step: int | None = None
         self.loaded_path: Path | None = None
         self.metrics = Metrics.from_config(self.config.metrics, job_id=job_id())
-        self._retry: dict[Path, RetryPolicy] = {}
         # The fast writer/reader; it keeps staging buffers between saves.
         self.engine = Engine(self.config.engine)
-        self.tiers = self._make_tiers(scratch, lock_timeout)
-        # Sharded with node-local scratch on some node: shards go via each node's scratch.
-        self.crossnode = self._make_crossnode(scratch, lock_timeout)
+        self.placement = self._make_placement(scratch, lock_timeout)
 
     @property
     def dir(self) -> Path:
@@ -84,14 +86,30 @@ class Checkpointer:
     @property
     def search_dirs(self) -> list[Path]:
         """Run dirs that discovery looks in, fastest tier first."""
-        return self.tiers.search_dirs if self.tiers is not None else [self.dir]
+        return self.placement.search_dirs
+
+    @property
+    def tiers(self) -> Tiers | None:
+        """The scratch and durable tiers of a one-process writer, if it has scratch."""
+        return self.placement.tiers if isinstance(self.placement, Local) else None
+
+    @property
+    def crossnode(self) -> CrossNode | None:
+        """The cross-node shard placement, when ranks save through their nodes' scratch."""
+        return self.placement if isinstance(self.placement, CrossNode) else None
+
+    def _make_placement(self, scratch: str | Path | bool | None, lock_timeout: float | None) -> Placement:
+        if self.run_dir.group() is None:
+            return Local(self.run_dir.inner, self._make_tiers(scratch, lock_timeout), self.config.storage,
+                         self.keep)  # fmt: skip
+        # Sharded with node-local scratch on some node: shards go via each node's scratch.
+        crossnode = self._make_crossnode(scratch, lock_timeout)
+        return crossnode if crossnode is not None else Collective(self.run_dir, self.keep)
 
     def _make_tiers(self, scratch: str | Path | bool | None, lock_timeout: float | None) -> Tiers | None:
-        if scratch is False or self.run_dir.group() is not None:
-            # A collective save writes one checkpoint from every node, and each
-            # node has its own scratch: those go straight to the durable tier.
+        named = _named_scratch(scratch)
+        if named is None:
             return None
-        named = scratch_dir() if scratch is None or scratch is True else Path(scratch)
         base = usable_scratch(named)
         if base is None:
             if named is not None:
@@ -112,13 +130,9 @@ class Checkpointer:
 
     def _make_crossnode(self, scratch: str | Path | bool | None, lock_timeout: float | None) -> CrossNode | None:
         group = self.run_dir.group()
-        if group is None:
-            return None
+        assert group is not None
         # Every rank takes part in setup (a collective), with or without scratch.
-        if scratch is False:
-            named = None
-        else:
-            named = scratch_dir() if scratch is None or scratch is True else Path(scratch)
+        named = _named_scratch(scratch)
         base = usable_scratch(named)
         if base is None and named is not None:
             log.warning("scratch %s is not a writable directory", named)
@@ -133,18 +147,10 @@ class Checkpointer:
         With one tier that is as soon as it is committed. The wrapper uses this
         (and :meth:`drain`) to decide whether the epilog must stage out.
         """
-        if self.tiers is not None:
-            return self.tiers.is_durable(step)
-        if self.crossnode is not None:
-            return self.crossnode.is_durable(step)
         h = self._inflight
         if h is not None and h.step == step and not h.done():
             return False
-        try:
-            verify_checkpoint(step_dir(self.dir, step), full=False)
-        except (CheckpointCorrupt, OSError):
-            return False
-        return True
+        return self.placement.is_durable(step)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for the newest checkpoint to be durable.
@@ -160,11 +166,7 @@ class Checkpointer:
                 h.wait(timeout)
             except Exception:  # TimeoutError, or the save's own error (kept for wait())
                 return False
-        if self.crossnode is not None:
-            return self.crossnode.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if self.tiers is None:
-            return True
-        return self.tiers.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self.placement.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _surface_drain_error(self) -> None:
         """A failed copy to the durable tier: raise or log it per ``storage.on_async_error``.
@@ -172,9 +174,7 @@ class Checkpointer:
         Only logged once a checkpoint-and-stop was requested: the emergency save
         to scratch matters more, and the epilog stages it out.
         """
-        err = self.tiers.take_error() if self.tiers is not None else None
-        if err is None and self.crossnode is not None:
-            err = self.crossnode.take_error()
+        err = self.placement.take_error()
         if err is None:
             return
         if self.config.storage.on_async_error == "warn" or self.control.requested:
@@ -186,15 +186,8 @@ class Checkpointer:
     def _committed(self, step: int, path: Path) -> None:
         """After a commit: queue the copy to the durable tier, retention, the report."""
         self.last_committed = path
-        tiers = self.tiers
         try:
-            if tiers is not None and path.parent == tiers.fast.path:
-                tiers.submit(step, path)
-                tiers.fast.retain(self.keep, protect=[path, *tiers.protected()])
-            elif self.crossnode is not None:
-                self.crossnode.retain(protect=[path])
-            else:
-                self.run_dir.retain(self.keep, protect=[path])
+            self.placement.committed(step, path)
         except OSError as e:
             # The checkpoint is committed: failing to delete old ones must not turn it
             # into a failed save, nor keep the wrapper from hearing about it.
@@ -279,20 +272,9 @@ class Checkpointer:
         return handle
 
     def _commit(self, step: int, write: WriteFn, nbytes: int) -> Path:
-        """Commit one checkpoint: retried, pruned on a full disk, timed (store/retry.py)."""
+        """Commit one checkpoint where the placement puts it, timed for the metrics."""
         with self.metrics.time_save(step, nbytes):
-            if self.crossnode is not None:
-                return self.crossnode.commit(step, write, nbytes=nbytes, job_id=job_id())
-            if self.run_dir.group() is not None:
-                # A collective save: one rank retrying alone would desynchronise the others.
-                return self.run_dir.commit(step, write, nbytes=nbytes, job_id=job_id())
-            # With tiers: scratch first; when it fails for good, the durable tier.
-            dirs: list[Any] = [self.run_dir] if self.tiers is None else [self.tiers.fast, self.run_dir]
-            pols = [self._retry.setdefault(d.path, RetryPolicy.for_path(self.config.storage, d.path))
-                    for d in dirs]  # fmt: skip
-            protect = self.tiers.protected if self.tiers is not None else tuple
-            return commit_resilient(dirs, step, write, keep=self.keep, policies=pols, protect=protect,
-                                    nbytes=nbytes, job_id=job_id())  # fmt: skip
+            return self.placement.commit(step, write, nbytes=nbytes, job_id=job_id())
 
     def _drain_inflight(self, *, policy: bool = True) -> None:
         """Wait for the background save; its error is raised, or only logged with
@@ -314,12 +296,8 @@ class Checkpointer:
         A failed save raises its error; a failed copy follows ``storage.on_async_error``.
         """
         self._drain_inflight(policy=False)
-        if self.tiers is not None:
-            self.tiers.drain()
-            self._surface_drain_error()
-        if self.crossnode is not None:
-            self.crossnode.drain()
-            self._surface_drain_error()
+        self.placement.drain()
+        self._surface_drain_error()
 
     def fence(self) -> None:
         """With ``engine.snapshot: lazy``: block until the save in flight has copied
@@ -355,43 +333,20 @@ class Checkpointer:
                 loaded.append(int(m.nbytes or sum(r.size for r in m.files.values())))
             return state
 
-        if self.crossnode is not None:
-            found = self.crossnode.load_latest(
-                lambda p, m: load_state(p, m, map_location=map_location, trusted=trusted), skipped
-            )
-            if found is None:
-                return None
-            state, self.loaded_step, self.loaded_path = found
-            return state
-        if self.run_dir.group() is not None:
-            found = self.run_dir.load_latest(
-                self.search_dirs, lambda p, m: load_state(p, m, map_location=map_location, trusted=trusted),
-                skipped,
-            )  # fmt: skip
-            if found is None:
-                return None
-            state, self.loaded_step, self.loaded_path = found
-            return state
-        for cand in iter_valid(self.search_dirs, full=False, skipped=skipped):
-            try:
-                state = load_state(cand.path, cand.manifest, map_location=map_location, trusted=trusted)
-            except CheckpointCorrupt as e:
-                note_skip(cand.path, str(e), skipped)
-                continue
-            self.loaded_step, self.loaded_path = cand.step, cand.path
-            return state
-        return None
+        found = self.placement.load_latest(
+            lambda p, m: load_state(p, m, map_location=map_location, trusted=trusted), skipped
+        )
+        if found is None:
+            return None
+        state, self.loaded_step, self.loaded_path = found
+        return state
 
     def close(self) -> None:
         """Finish any background save and copy to the durable tier; release the locks."""
         try:
             self._drain_inflight()
         finally:
-            if self.tiers is not None:
-                self.tiers.close()
-            if self.crossnode is not None:
-                self.crossnode.close()
-            self.run_dir.unlock()
+            self.placement.close()
             # Done checkpointing: the series ends, so no alert fires for a finished job.
             self.metrics.close(remove=True)
         self._surface_drain_error()

@@ -172,6 +172,13 @@ class CrossNode:
             self._drainer.submit(_Item(step, save_id, shard, time.time()))
         return path
 
+    @property
+    def search_dirs(self) -> list[Path]:
+        return [self.durable.path]
+
+    def committed(self, step: int, path: Path) -> None:
+        self.retain(protect=[path])
+
     def retain(self, protect: list[Path]) -> list[Path]:
         """Retention on this rank's fast-tier dir; shards not yet staged are kept."""
         if self.fast is None:
@@ -229,6 +236,7 @@ class CrossNode:
         finally:
             if self.fast is not None:
                 self.fast.unlock()
+            self.durable.unlock()
 
     # -- resume (collective) -----------------------------------------------------
     def _own_shards(self) -> dict[tuple[int, str], sh.LocalShard]:
