@@ -72,7 +72,7 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     # act on a request meant for the trainer.
     if os.getpid() == _owner_pid:
         for c in list(_live):
-            c._event.set()
+            c._requested = True
 
 
 def _after_fork_in_child() -> None:
@@ -104,21 +104,24 @@ class Control:
         self.channel = os.environ.get("SLURM_CKPT_CONTROL", "") if channel is None else channel
         name = signal_name or os.environ.get("SLURM_CKPT_SIGNAL", "") or "USR1"
         self.signal = parse_signal(name)
-        self._event = threading.Event()
+        # A plain bool, not a threading.Event: Event.set() takes a lock, and a
+        # second signal (Slurm sends USR1 then TERM) arriving while the first
+        # handler holds it deadlocks the main thread. A store of a bool cannot.
+        self._requested = False
         _live.add(self)
 
     @property
     def requested(self) -> bool:
         """True once a checkpoint-and-stop was requested since this Control was made."""
-        return self._event.is_set()
+        return self._requested
 
     def request(self) -> None:
         """Request a checkpoint-and-stop, as the signal would."""
-        self._event.set()
+        self._requested = True
 
     def clear(self) -> None:
         """Forget a request (a trainer that handled it and chose to go on)."""
-        self._event.clear()
+        self._requested = False
 
     def install(self) -> None:
         """Install the flag handlers and tell the wrapper we are listening.
