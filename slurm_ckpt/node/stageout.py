@@ -25,6 +25,7 @@ from ..errors import CheckpointCorrupt, SlurmCkptError
 from ..store import Candidate, RunDir, copy_checkpoint, find_latest, verify_checkpoint
 from ..store.layout import list_steps
 from ..store.manifest import MANIFEST, Manifest
+from ..store.shards import plain_files
 from .job import Job
 from .shardstage import has_shards, stage_shards
 
@@ -32,7 +33,6 @@ __all__ = ["TIER_FILE", "StageResult", "read_tier", "stage_out"]
 
 TIER_FILE = "TIER.json"
 _MAX_TIER = 64 * 1024
-_MAX_MANIFEST = 64 * 1024**2
 STAGE_MEMORY = 4 * 1024**3
 """Address-space limit of the stage-out child (bytes)."""
 _DONE = ("staged", "up-to-date", "none")
@@ -77,22 +77,6 @@ def read_tier(scratch_ckpt: Path) -> Path | None:
     return Path(os.path.normpath(durable))
 
 
-def _plain_files(path: Path, names: list[str]) -> bool:
-    """True if each name is a regular file (checked without following links).
-
-    The store opens these without O_NONBLOCK: a FIFO or a device planted
-    under a checkpoint name would block the copy, or feed it /dev/zero.
-    """
-    for name in names:
-        try:
-            st = os.lstat(path / name)
-        except OSError:
-            return False
-        if not stat.S_ISREG(st.st_mode) or (name == MANIFEST and st.st_size > _MAX_MANIFEST):
-            return False
-    return True
-
-
 def _candidates(scratch_ckpt: Path, errors: list[str]) -> Iterator[Candidate]:
     """Checkpoints on scratch that look valid, newest first (sizes and headers checked).
 
@@ -101,10 +85,10 @@ def _candidates(scratch_ckpt: Path, errors: list[str]) -> Iterator[Candidate]:
     """
     for step, path in list_steps(scratch_ckpt):
         try:
-            if not stat.S_ISDIR(os.lstat(path).st_mode) or not _plain_files(path, [MANIFEST]):
+            if not stat.S_ISDIR(os.lstat(path).st_mode) or not plain_files(path, [MANIFEST]):
                 continue
             # Screen every file the manifest names before the store opens any of them.
-            if not _plain_files(path, list(Manifest.read(path).files)):
+            if not plain_files(path, list(Manifest.read(path).files)):
                 continue
             man = verify_checkpoint(path, full=False)
         except CheckpointCorrupt:

@@ -59,6 +59,7 @@ __all__ = [
     "local_shards",
     "new_save_id",
     "newest_durable_step",
+    "plain_files",
     "prune_staging",
     "rank_of",
     "shard_extra",
@@ -76,7 +77,7 @@ STAGING_PREFIX = ".shards-step-"
 ASSEMBLY_LOCK = ".shards.lock"
 _RANK_RE = re.compile(r"^rank-(\d{5,})$")
 _STAGING_RE = re.compile(r"^\.shards-step-(\d{9,})-([0-9a-f]{8,64})$")
-_MAX_MANIFEST = 64 * 1024**2
+MAX_MANIFEST = 64 * 1024**2
 
 
 def shard_name(rank: int) -> str:
@@ -130,18 +131,19 @@ def _as_shard(path: Path, man: Manifest) -> LocalShard | None:
         return None
 
 
-def _plain(path: Path, names: list[str]) -> bool:
+def plain_files(path: Path, names: list[str]) -> bool:
     """True if each name is a regular file, checked without following links.
 
-    Files are opened without O_NONBLOCK when copied: a FIFO or device planted
-    under a checkpoint's name would block the copy, or feed it /dev/zero.
+    A screen before the store opens anything in a user-writable tree: the
+    store refuses non-regular files too, but this one also bounds the manifest
+    before it is parsed.
     """
     for name in names:
         try:
             st = os.lstat(path / name)
         except OSError:
             return False
-        if not stat.S_ISREG(st.st_mode) or (name == MANIFEST and st.st_size > _MAX_MANIFEST):
+        if not stat.S_ISREG(st.st_mode) or (name == MANIFEST and st.st_size > MAX_MANIFEST):
             return False
     return True
 
@@ -149,13 +151,13 @@ def _plain(path: Path, names: list[str]) -> bool:
 def _read_shard(path: Path, *, full: bool = False) -> LocalShard | None:
     """The shard committed at ``path``, or None if it is not one (or is corrupt)."""
     try:
-        if not stat.S_ISDIR(os.lstat(path).st_mode) or not _plain(path, [MANIFEST]):
+        if not stat.S_ISDIR(os.lstat(path).st_mode) or not plain_files(path, [MANIFEST]):
             return None
     except FileNotFoundError:
         return None
     try:
         # Screen every file the manifest names before anything opens one.
-        if not _plain(path, list(Manifest.read(path).files)):
+        if not plain_files(path, list(Manifest.read(path).files)):
             return None
         return _as_shard(path, verify_checkpoint(path, full=full))
     except CheckpointCorrupt as e:
@@ -262,7 +264,7 @@ def stage_shard(shard: LocalShard, durable: Path) -> Path:
             log.warning("staged shard %s is damaged (%s); staging it again", dst, e)
             remove_tree(dst)
     src, man = shard.path, shard.manifest
-    if not _plain(src, list(man.files)):
+    if not plain_files(src, list(man.files)):
         raise CheckpointCorrupt(f"{src}: a file of the shard is not a regular file", src)
 
     def copy(tmp: Path) -> tuple[dict[str, FileRecord], dict[str, Any]]:
