@@ -277,11 +277,7 @@ class CrossNode:
             raise ShardError(f"resume failed: {cands}")
         for kind, step, ref in cands:
             status, state, path = self._load_part(kind, step, ref, own, load)
-            statuses = g.all_gather(status)
-            fatal = [s[1] for s in statuses if s[0] == "fatal"]
-            if fatal:
-                raise ConfigError("; ".join(fatal))
-            bad = [s[1] for s in statuses if s[0] == "corrupt"]
+            bad = g.load_verdict(status)
             if not bad:
                 assert path is not None
                 return state, step, path

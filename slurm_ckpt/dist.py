@@ -128,6 +128,18 @@ class _Group:
         self.td.broadcast_object_list(box, src=0, group=self.pg)
         return box[0]
 
+    def load_verdict(self, status: tuple[str, str]) -> list[str]:
+        """Every rank's ("ok"|"corrupt"|"fatal", why) for one resume candidate.
+
+        Raises on a fatal one (nothing older would help); else returns the
+        corrupt reasons, empty when every rank loaded its part.
+        """
+        statuses = self.all_gather(status)
+        fatal = [why for kind, why in statuses if kind == "fatal"]
+        if fatal:
+            raise ConfigError("; ".join(fatal))
+        return [why for kind, why in statuses if kind == "corrupt"]
+
     def all_gather(self, obj: Any, *, step: bool = False) -> list[Any]:
         out: list[Any] = [None] * self.world
         self.td.all_gather_object(out, obj, group=self.pg_step if step else self.pg)
@@ -270,11 +282,7 @@ class ShardedRunDir:
                 return None
             path = Path(where)
             status, state, man = _load_shard(path, g.rank, load)
-            statuses = g.all_gather(status)
-            fatal = [s[1] for s in statuses if s[0] == "fatal"]
-            if fatal:
-                raise ConfigError("; ".join(fatal))
-            bad = [s[1] for s in statuses if s[0] == "corrupt"]
+            bad = g.load_verdict(status)
             if not bad:
                 assert man is not None
                 return state, man.step, path
