@@ -14,6 +14,7 @@ from .control import Control
 from .crossnode import CrossNode
 from .dist import ShardedRunDir, rank_info
 from .engine import Engine, SaveHandle
+from .errors import ConfigError
 from .metrics import Metrics
 from .placement import Collective, Local, Placement
 from .store import RunDir, Skipped, find_latest
@@ -78,6 +79,14 @@ class Checkpointer:
         # The fast writer/reader; it keeps staging buffers between saves.
         self.engine = Engine(self.config.engine)
         self.placement = self._make_placement(scratch, lock_timeout)
+        self._closed = False
+
+    def _check_open(self) -> None:
+        # After close() the lock is released and, with several ranks, the
+        # process group may be gone: a save would run uncoordinated, each rank
+        # writing the whole step into the shared dir.
+        if self._closed:
+            raise ConfigError(f"this Checkpointer for {self.dir} is closed; create a new one to save or load again")
 
     @property
     def dir(self) -> Path:
@@ -223,6 +232,7 @@ class Checkpointer:
         committed: the caller should exit (status 0). With several ranks every
         rank must call it at every step; they agree on the request first.
         """
+        self._check_open()
         stop = self.run_dir.agree(self.preempted)
         if stop or (every > 0 and step % every == 0):
             self.save(state() if callable(state) else state, step)
@@ -230,6 +240,7 @@ class Checkpointer:
 
     def save(self, state: Any, step: int) -> Path:
         """Write ``state`` as checkpoint ``step``; return once it is durable and committed."""
+        self._check_open()
         self._drain_inflight()
         self._surface_drain_error()
         return self._save_sync(state, step)
@@ -251,6 +262,7 @@ class Checkpointer:
         save is in flight first waits for that one to commit: one in flight per
         run dir, and no request is dropped.
         """
+        self._check_open()
         self._drain_inflight()
         self.run_dir.group()  # a collective: create it here, on the calling thread
         job = self.engine.job(state, allow_pickle=self.allow_pickle, mode="auto")
@@ -326,6 +338,7 @@ class Checkpointer:
         tried. ``loaded_step`` and ``loaded_path`` then say which one was used.
         ``mmap=True`` maps the data files instead of reading them (zero-copy).
         """
+        self._check_open()
 
         def load_state(p: Path, m: Any, *, map_location: Any, trusted: bool) -> Any:
             with self.metrics.time_load() as loaded:
@@ -342,11 +355,18 @@ class Checkpointer:
         return state
 
     def close(self) -> None:
-        """Finish any background save and copy to the durable tier; release the locks."""
+        """Finish any background save and copy to the durable tier; release the locks.
+
+        The Checkpointer cannot save or load after this; closing again does nothing.
+        """
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._drain_inflight()
         finally:
             self.placement.close()
+            self.run_dir.release_group()
             # Done checkpointing: the series ends, so no alert fires for a finished job.
             self.metrics.close(remove=True)
         self._surface_drain_error()

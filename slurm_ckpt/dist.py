@@ -123,9 +123,27 @@ class _Group:
         # and hang, so each gets a group of its own.
         self.pg_step = td.new_group(backend="gloo")
 
+    def release(self) -> None:
+        """Drop this object's references to its groups (at Checkpointer.close()).
+
+        ``destroy_process_group()`` can only tear a group down once nothing
+        holds it. A group kept alive past it by a Checkpointer still in scope
+        dies during interpreter finalization instead, where a gloo worker that
+        frees a finished collective's tensors needs the GIL and aborts the
+        process (exit 134, "terminate called without an active exception")
+        after training has finished.
+        """
+        self.pg = self.pg_step = None
+
+    def _pg(self, step: bool) -> Any:
+        pg = self.pg_step if step else self.pg
+        if pg is None:
+            raise ConfigError("this Checkpointer is closed; create a new one to save or load again")
+        return pg
+
     def broadcast(self, obj: Any) -> Any:
         box = [obj]
-        self.td.broadcast_object_list(box, src=0, group=self.pg)
+        self.td.broadcast_object_list(box, src=0, group=self._pg(False))
         return box[0]
 
     def load_verdict(self, status: tuple[str, str]) -> list[str]:
@@ -142,7 +160,7 @@ class _Group:
 
     def all_gather(self, obj: Any, *, step: bool = False) -> list[Any]:
         out: list[Any] = [None] * self.world
-        self.td.all_gather_object(out, obj, group=self.pg_step if step else self.pg)
+        self.td.all_gather_object(out, obj, group=self._pg(step))
         return out
 
 
@@ -167,6 +185,10 @@ class ShardedRunDir:
 
     def unlock(self) -> None:
         self.inner.unlock()
+
+    def release_group(self) -> None:
+        if self._group is not None:
+            self._group.release()
 
     def agree(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is True on any (one collective); ``flag`` alone otherwise.

@@ -115,6 +115,14 @@ def test_agreement_and_background_save_do_not_cross(pair: dict[str, Any]) -> Non
         assert got["stops"] == 0
 
 
+def test_closed_checkpointer_lets_the_process_group_go(pair: dict[str, Any]) -> None:
+    for r in range(WORLD):
+        got = pair["ranks"][r]
+        assert got["gloo_threads_after_destroy"] == []
+        assert got["use_after_close"].startswith("ConfigError: this Checkpointer for")
+        assert "is closed; create a new one" in got["use_after_close"]
+
+
 def test_rank_from_slurm_without_a_process_group(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from slurm_ckpt import Checkpointer
 
@@ -256,8 +264,31 @@ def _worker(rank: int, world: int, port: int, runs: Path, out: Path) -> None:
                      ("overlap", _scenario_overlap)]:  # fmt: skip
         results[name] = fn(runs / name, rank)
         dist.barrier()
-    out.write_text(json.dumps(results))
+    # A closed Checkpointer still in scope must not keep its groups alive
+    # past destroy_process_group(): their gloo threads would outlive the
+    # interpreter and can abort its teardown (exit 134).
+    from slurm_ckpt import Checkpointer
+
+    kept = Checkpointer(runs / "kept")
+    kept.save(_state(rank, 1), step=1)
+    kept.close()
     dist.destroy_process_group()
+    results["gloo_threads_after_destroy"] = _gloo_threads()
+    results["use_after_close"] = _error_of(lambda: kept.save(_state(rank, 2), step=2))
+    out.write_text(json.dumps(results))
+
+
+def _gloo_threads() -> list[str]:
+    names = (Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
+    return [n for n in names if "gloo" in n]
+
+
+def _error_of(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as e:  # the test reports whichever error it was
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 if __name__ == "__main__":
