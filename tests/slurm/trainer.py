@@ -86,6 +86,13 @@ def finish(ckpt: Checkpointer | None, world: int) -> None:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+        # Adam's import of torch._dynamo keeps the default group alive past
+        # destroy_process_group() (torch 2.13); its gloo workers would then
+        # outlive the interpreter and, 2 runs in 60, abort its teardown (exit
+        # 134). Everything is on disk: skip the teardown (examples/train.py).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def main() -> int:
