@@ -21,7 +21,6 @@ damaged header can never make a read land outside a tensor.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import math
 import mmap as _mmap
@@ -36,7 +35,7 @@ from typing import Any
 from ..errors import CheckpointCorrupt, storage_error
 from ..store.codec import torch_dtype
 from ..store.tensorfile import CHECKSUM, FileRecord, read_header
-from .buffers import ALIGN, address_of, memory_view
+from .buffers import ALIGN, address_of, huge_buffer, memory_view, populate
 from .crc import crc32_combine, crc32_of_chunks
 
 __all__ = ["read_tensor_file"]
@@ -162,7 +161,7 @@ def _read(
     items: list[_Item] = []
     for rb, re, entries in _regions(layout, start):
         lo, hi = rb - rb % ALIGN, -(-re // ALIGN) * ALIGN
-        store = torch.empty(hi - lo + ALIGN, dtype=torch.uint8)
+        store = _storage(hi - lo + ALIGN)
         pad = -store.data_ptr() % ALIGN
         base = store.data_ptr() + pad
         for key, dtype, shape, begin, end in entries:
@@ -212,15 +211,23 @@ def _read(
     return dict(sorted(out.items(), key=lambda kv: order[kv[0]])), crc
 
 
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL and we just stop
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_HUGE_STORAGE = 4 << 20
+
+
+def _storage(nbytes: int) -> Any:
+    """Fresh memory for one region: huge pages for a large one (see ``buffers``), which
+    the fault-ahead thread then maps 2 MiB per fault instead of 4 KiB."""
+    import torch
+
+    if nbytes < _HUGE_STORAGE:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    return torch.frombuffer(huge_buffer(nbytes), dtype=torch.uint8)  # the tensor keeps the map alive
 
 
 def _fault_in(spans: list[tuple[int, int]], stop: threading.Event) -> None:
     """Fault in ``(address, length)`` spans of our own fresh buffers, in order (best effort)."""
     for addr, n in spans:
-        if stop.is_set() or _libc.madvise(addr, n, _MADV_POPULATE_WRITE) != 0:
+        if stop.is_set() or not populate(addr, n):
             return
 
 

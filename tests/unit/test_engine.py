@@ -373,3 +373,42 @@ def test_the_reader_refuses_fifos_and_symlinks(tmp_path: Path) -> None:
     (tmp_path / "link.safetensors").symlink_to(tmp_path / "real.safetensors")
     with pytest.raises(StorageError):
         read_tensor_file(tmp_path / "link.safetensors", rec)
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "never"
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def _anon_huge_kib(addr: int) -> int:
+    """AnonHugePages of the mapping that holds ``addr`` (from /proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this kernel")
+def test_own_buffers_and_read_storage_get_huge_pages(tmp_path: Path) -> None:
+    # THP is 'madvise' on most distributions: without asking, a buffer gets 4 KiB
+    # pages, and O_DIRECT requests from it are cut at the disk's segment limit.
+    from slurm_ckpt.engine.buffers import address_of, aligned_buffer
+
+    buf = aligned_buffer(16 << 20)
+    assert _anon_huge_kib(address_of(buf)) >= 8 << 10
+    big = torch.randn(4 << 20)  # 16 MiB: read back into a storage of its own
+    enc = encode_state({"w": big})
+    image = plan_file(enc.tensors)
+    path = tmp_path / "x.safetensors"
+    rec = write_image(path, image)
+    got = read_tensor_file(path, rec)["w"]
+    assert torch.equal(got, big)
+    assert _anon_huge_kib(got.data_ptr()) >= 8 << 10
