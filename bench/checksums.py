@@ -33,6 +33,12 @@ def candidates() -> dict[str, Callable[[memoryview], object]]:
     except ImportError:
         pass
     try:
+        from isal import isal_zlib
+
+        out["isal crc32 (extra: slurm-ckpt[fast], the same crc32)"] = isal_zlib.crc32
+    except ImportError:
+        pass
+    try:
         import crc32c
 
         out["crc32c (extra)"] = crc32c.crc32c

@@ -12,7 +12,7 @@ more fault on its next write (fork write-protected them all). ``slurm-ckpt
 bench`` measures both against a plain copy.
 
 Fork safety. The child runs no torch, CUDA, logging or lock-taking code: only
-``pwrite``, ``memmove``, ``zlib.crc32`` and its own new threads, on addresses
+``pwrite``, ``memmove``, ``crc32`` and its own new threads, on addresses
 computed before the fork. It closes every inherited descriptor except its two
 pipes (so it never holds the run dir lock or the trainer's sockets), ignores
 the signals Slurm sends to the whole step (the parent decides), and exits with

@@ -27,16 +27,15 @@ import mmap as _mmap
 import os
 import stat
 import threading
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorrupt, storage_error
 from ..store.codec import torch_dtype
+from ..store.crc import crc32, crc32_combine, crc32_of_chunks
 from ..store.tensorfile import CHECKSUM, FileRecord, read_header
 from .buffers import ALIGN, address_of, huge_buffer, memory_view, populate
-from .crc import crc32_combine, crc32_of_chunks
 
 __all__ = ["read_tensor_file"]
 
@@ -76,7 +75,7 @@ def read_tensor_file(
     except OSError as e:
         raise storage_error(e, "cannot read data file", path) from e
     if verify:
-        got = crc32_combine(zlib.crc32(raw), crc, size - len(raw))
+        got = crc32_combine(crc32(raw), crc, size - len(raw))
         if f"{got:08x}" != expected.checksum:
             raise CheckpointCorrupt(
                 f"{path}: checksum mismatch: expected {CHECKSUM} {expected.checksum}, got {got:08x}",
@@ -190,7 +189,7 @@ def _read(
                 direct[0] = False  # the device wants a larger alignment: go buffered
         if not direct[0]:
             _read_exactly(fd, path, memory_view(addr + wb - off, wn), wb, wn)
-        return (zlib.crc32(memory_view(addr + wb - off, wn)) if verify else 0), wn
+        return (crc32(memory_view(addr + wb - off, wn)) if verify else 0), wn
 
     stop = threading.Event()
     # Fresh memory costs a page fault per page on first touch, which the read
@@ -277,7 +276,7 @@ def _map(
 
         def work(k: int) -> tuple[int, int]:
             off, m = spans[k]
-            return zlib.crc32(memory_view(base_addr + off, m)), m
+            return crc32(memory_view(base_addr + off, m)), m
 
         crc = crc32_of_chunks(_parallel(len(spans), work, threads))
     return out, crc

@@ -10,7 +10,7 @@ depth of ``threads``. Each write's crc32 is computed on exactly the bytes it
 sends, and the crcs are combined in order at the end.
 
 ``O_DIRECT`` skips the page cache: no copy into it, and no dirty-page
-throttling of other writers. ``pwrite``, ``memmove`` and ``zlib.crc32`` all
+throttling of other writers. ``pwrite``, ``memmove`` and ``crc32`` (zlib or ISA-L) all
 release the GIL, so the threads run in parallel.
 
 Fallbacks: a filesystem that refuses ``O_DIRECT`` at open, or at write time
@@ -27,15 +27,14 @@ import errno
 import mmap
 import os
 import threading
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import storage_error
+from ..store.crc import crc32, crc32_of_chunks
 from ..store.fsutil import fsync_file
 from ..store.tensorfile import FileRecord
 from .buffers import ALIGN, address_of, memory_view, pool
-from .crc import crc32_of_chunks
 from .layout import FileImage, Segment, Write, plan_writes
 
 __all__ = ["write_image"]
@@ -174,7 +173,7 @@ class _Job:
             seg = self.writes[k].segments[i]
             crc = 0
             for a, m in seg.pieces:
-                crc = zlib.crc32(memory_view(a, m), crc)
+                crc = crc32(memory_view(a, m), crc)
             self.crcs[k][i] = (crc, seg.size)
 
     def _writer(self) -> None:
@@ -204,7 +203,7 @@ class _Job:
                 ctypes.memmove(base + pos, a, m)
                 pos += m
             view = memory_view(base + start, seg.size)
-            self.crcs[k][i] = (zlib.crc32(view), seg.size)
+            self.crcs[k][i] = (crc32(view), seg.size)
             iov.append(view)
         body = w.size - w.size % ALIGN if self.direct_ok else 0
         if body:

@@ -17,7 +17,6 @@ import ctypes
 import json
 import os
 import struct
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 
 from ..errors import CheckpointCorrupt, storage_error
 from .codec import TensorEntry, torch_dtype
+from .crc import crc32
 from .fsutil import fsync_file
 
 __all__ = [
@@ -104,7 +104,7 @@ def write_tensor_file(
     size = 0
     try:
         for chunk in _chunks(header, entries):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             while chunk:
                 n = os.write(fd, chunk)
                 size += n
@@ -157,7 +157,7 @@ def read_tensors(
                     f"{path}: size is {size}, manifest expects {expected.size}", path
                 )
             raw, header = read_header(f, path, size)
-            crc = zlib.crc32(raw) if verify else 0
+            crc = crc32(raw) if verify else 0
             out: dict[str, Any] = {}
             order = sorted(
                 ((k, v) for k, v in header.items() if k != "__metadata__"),
@@ -173,7 +173,7 @@ def read_tensors(
                     if not n:
                         raise CheckpointCorrupt(f"{path}: unexpected end of file", path)
                     if verify:
-                        crc = zlib.crc32(buf[got : got + n], crc)
+                        crc = crc32(buf[got : got + n], crc)
                     got += n
                 dt = torch_dtype(info["dtype"])
                 t = t.view(dt).reshape(info["shape"]) if end > begin else torch.empty(info["shape"], dtype=dt)

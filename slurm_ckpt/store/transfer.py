@@ -8,12 +8,12 @@ manifest, so a bad source or a bad copy is never committed.
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorrupt, storage_error
 from .commit import commit
+from .crc import crc32
 from .fsutil import fsync_dir, fsync_file, open_regular
 from .manifest import Manifest
 from .tensorfile import CHUNK, FileRecord
@@ -37,7 +37,7 @@ def _copy_file(src: Path, dst: Path, expected: FileRecord) -> FileRecord:
         dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             while n := os.readv(sfd, [view]):
-                crc = zlib.crc32(view[:n], crc)
+                crc = crc32(view[:n], crc)
                 out = view[:n]
                 while out:
                     out = out[os.write(dfd, out) :]

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointCorrupt, storage_error
+from .crc import crc32
 from .fsutil import open_regular, read_small
 from .layout import list_steps
 from .manifest import Manifest
@@ -104,7 +104,7 @@ def _crc_file(path: Path) -> str:
     try:
         with os.fdopen(_open(path), "rb", buffering=0) as f:
             while n := f.readinto(view):
-                crc = zlib.crc32(view[:n], crc)
+                crc = crc32(view[:n], crc)
     except OSError as e:
         raise storage_error(e, "cannot read checkpoint file", path) from e
     return f"{crc:08x}"

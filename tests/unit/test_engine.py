@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from slurm_ckpt.config import ConfigError, EngineConfig, load_config
 from slurm_ckpt.engine import Engine, gc_paused
-from slurm_ckpt.engine.crc import crc32_combine, crc32_of_chunks
 from slurm_ckpt.engine.layout import order_entries, plan_file, plan_writes
 from slurm_ckpt.engine.reader import read_tensor_file
 from slurm_ckpt.engine.staging import Staging
@@ -28,6 +27,7 @@ from slurm_ckpt.engine.writer import write_image
 from slurm_ckpt.errors import CheckpointCorrupt
 from slurm_ckpt.store.codec import encode_state
 from slurm_ckpt.store.commit import commit
+from slurm_ckpt.store.crc import crc32_combine, crc32_of_chunks
 from slurm_ckpt.store.tensorfile import FileRecord, read_tensors, write_tensor_file
 from slurm_ckpt.store.verify import verify_checkpoint
 from slurm_ckpt.store.writer import load_state
@@ -412,3 +412,17 @@ def test_own_buffers_and_read_storage_get_huge_pages(tmp_path: Path) -> None:
     got = read_tensor_file(path, rec)["w"]
     assert torch.equal(got, big)
     assert _anon_huge_kib(got.data_ptr()) >= 8 << 10
+
+
+def test_fast_crc32_is_zlibs_crc32() -> None:
+    # The optional ISA-L crc32 must give exactly zlib's values, or checkpoints
+    # written with it would fail verification where it is not installed.
+    isal_zlib = pytest.importorskip("isal.isal_zlib")
+    from slurm_ckpt.store import crc
+
+    assert crc.FAST and crc.crc32 is isal_zlib.crc32
+    data = os.urandom(3 << 20)
+    for lo, hi in [(0, 0), (0, 1), (7, 4096 + 13), (0, len(data))]:
+        view = memoryview(data)[lo:hi]
+        assert crc.crc32(view) == zlib.crc32(view)
+        assert crc.crc32(view, 0xDEADBEEF) == zlib.crc32(view, 0xDEADBEEF)
