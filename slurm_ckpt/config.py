@@ -195,6 +195,8 @@ class EngineConfig:
     """auto|fork|copy|lazy: how save_async captures the state (see the engine docs)."""
     pin_memory: bool = True
     """Stage CUDA tensors in pinned host memory (kept and reused between saves)."""
+    torch_huge_pages: bool = True
+    """slurm-ckpt run sets THP_MEM_ALLOC_ENABLE=1 for the command (unless set): torch then puts large CPU tensors on huge pages, which O_DIRECT writes and fork snapshots go faster from."""
 
     def validate(self) -> None:
         if self.snapshot not in ("auto", "fork", "copy", "lazy"):

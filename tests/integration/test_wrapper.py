@@ -127,6 +127,19 @@ def test_local_preempt_resume_finish(tmp_path: Path) -> None:
     assert r.of("exit")[-1]["code"] == "0"
 
 
+@pytest.mark.parametrize(("env", "want"), [
+    ({}, "1"),  # engine.torch_huge_pages defaults to on
+    ({"THP_MEM_ALLOC_ENABLE": "0"}, "0"),  # the user's own choice wins
+    ({"SLURM_CKPT_ENGINE_TORCH_HUGE_PAGES": "false"}, "unset"),
+])  # fmt: skip
+def test_child_gets_torch_huge_pages_unless_told_otherwise(tmp_path: Path, env: dict[str, str],
+                                                          want: str) -> None:  # fmt: skip
+    show = "import os; print('THP=' + os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset'))"
+    r = start(tmp_path, ["--local"], [sys.executable, "-c", show], **env).finish()
+    assert r.code == 0, r.stderr
+    assert f"THP={want}" in r.stdout.splitlines()
+
+
 def test_signal_before_the_child_listens_is_held_then_delivered(tmp_path: Path) -> None:
     # The request comes while the child is still "importing torch" (sleeping
     # with the signal ignored); it must survive and get the request once ready.
