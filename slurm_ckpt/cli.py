@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -230,6 +231,10 @@ def doctor(
 def bench(size: str, dir: str, reps: int, json_path: str | None, plot_path: str | None, no_small: bool) -> None:
     """Measure our saves and loads against torch.save, DCP, safetensors and the raw disk."""
     from .config import parse_size
+
+    if load_config().engine.torch_huge_pages:
+        # As `slurm-ckpt run` gives its command; torch reads it at its first allocation.
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     from .engine.bench import run_bench
     from .engine.report import format_table, plot
 

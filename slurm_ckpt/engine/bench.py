@@ -223,7 +223,8 @@ def run_bench(
     raw = _Raw(nbytes, 8 << 20)
     results: dict[str, Result] = {}
     info: dict[str, Any] = {"size": size, "nbytes": nbytes, "tensors": len(flat), "reps": reps,
-                            "dir": str(root), "cores": cores, "torch": torch.__version__}  # fmt: skip
+                            "dir": str(root), "cores": cores, "torch": torch.__version__,
+                            "torch_huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"}  # fmt: skip
 
     def res(name: str, kind: str, n: int = nbytes) -> Result:
         return results.setdefault(f"{kind}:{name}", Result(name, kind, n))

@@ -41,7 +41,8 @@ def format_table(doc: dict[str, Any]) -> str:
     info, results = doc["info"], doc["results"]
     lines = [f"state {info['nbytes'] / 2**30:.2f} GiB in {info['tensors']} tensors, {info['reps']} "
              f"repetitions interleaved, medians; dir {info['dir']}; {info['cores']} cores; "
-             f"page cache dropped by {info.get('cache', '-')}", "", "WRITE (durable: fsynced)"]  # fmt: skip
+             f"page cache dropped by {info.get('cache', '-')}; torch huge pages "
+             f"{'on' if info.get('torch_huge_pages') else 'off'}", "", "WRITE (durable: fsynced)"]  # fmt: skip
     writes = _by(results, "write")
     lines += _rate_table(writes, "torch.save")
     sync = next((r["median"] for r in writes if r["name"] == "ours sync"), math.nan)

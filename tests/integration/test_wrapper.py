@@ -40,7 +40,8 @@ class Run:
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SCONTROL"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "SCONTROL", "THP_MEM_ALLOC_ENABLE"))}  # fmt: skip
     env.update(SLURM_CKPT_DIR=str(tmp_path / "ckpt"), PYTHONPATH=str(ROOT), **extra)
     return env
 
