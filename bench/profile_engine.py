@@ -5,8 +5,9 @@
 Each line removes one cost from the real engine path, measured interleaved in
 one run (medians), so the gaps between lines are the costs:
 
-write  raw O_DIRECT from one page-aligned buffer (the limit)
-       engine, from that same buffer (adds: checksum threads, planning)
+write  raw O_DIRECT from one page-aligned buffer on huge pages (the limit)
+       the same from a buffer on 4 KiB pages (what huge pages are worth)
+       engine, from the huge-page buffer (adds: checksum threads, planning)
        engine, from the tensors, no checksum (adds: tensors' own memory)
        engine, from the tensors (the real sync path, without the commit)
        Checkpointer.save (adds: state.json, manifest, fsyncs, rename)
@@ -84,6 +85,7 @@ def main() -> None:
     image = plan_file(enc.tensors)
     staged, _ = Staging().stage(encode_state(state).tensors)
     raw = _Raw(image.size, 8 << 20)
+    raw_small = _Raw(image.size, 8 << 20, huge=False)
     out = root / "profile.bin"
     ck = Checkpointer(root / "ckpt", keep=1000, distributed=False)
 
@@ -97,6 +99,7 @@ def main() -> None:
     for _ in range(args.reps):
         cases: list[tuple[str, Callable[[], Any]]] = [
             ("raw O_DIRECT x4 (limit)", lambda: raw.write(out, 4)),
+            ("raw O_DIRECT x4, from 4 KiB pages", lambda: raw_small.write(out, 4)),
             ("engine, from one aligned buffer", lambda: write_image(out, staged)),
             ("engine, from the tensors, no checksum", lambda: _nocrc(out, image)),
             ("engine, from the tensors", lambda: write_image(out, image)),

@@ -139,10 +139,10 @@ def _fsync_path(path: Path) -> None:
 class _Raw:
     """The device's own limit: O_DIRECT sequential I/O of a page-aligned buffer."""
 
-    def __init__(self, nbytes: int, chunk: int) -> None:
+    def __init__(self, nbytes: int, chunk: int, *, huge: bool = True) -> None:
         self.nbytes = -(-nbytes // ALIGN) * ALIGN
         self.chunk = chunk
-        self.buf = aligned_buffer(self.nbytes)
+        self.buf = aligned_buffer(self.nbytes, huge=huge)
         view = memoryview(self.buf)
         pattern = os.urandom(1 << 20)
         for off in range(0, self.nbytes, len(pattern)):

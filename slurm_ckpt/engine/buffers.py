@@ -35,13 +35,13 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
-def huge_buffer(nbytes: int) -> mmap.mmap:
+def huge_buffer(nbytes: int, *, huge: bool = True) -> mmap.mmap:
     """A zero-filled, page-aligned private buffer, backed by huge pages where the kernel can.
 
-    Not faulted in yet: see :func:`populate`.
+    Not faulted in yet: see :func:`populate`. ``huge=False``: 4 KiB pages (for comparison).
     """
     mm = mmap.mmap(-1, max(nbytes, ALIGN), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if len(mm) >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge and len(mm) >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
         # THP compiled out or disabled: 4 KiB pages, still correct.
         with contextlib.suppress(OSError):
             mm.madvise(mmap.MADV_HUGEPAGE)
@@ -53,9 +53,9 @@ def populate(addr: int, nbytes: int) -> bool:
     return _libc.madvise(addr, nbytes, _MADV_POPULATE_WRITE) == 0
 
 
-def aligned_buffer(nbytes: int) -> mmap.mmap:
+def aligned_buffer(nbytes: int, *, huge: bool = True) -> mmap.mmap:
     """A zero-filled, page-aligned, already faulted-in private buffer (huge pages where possible)."""
-    mm = huge_buffer(nbytes)
+    mm = huge_buffer(nbytes, huge=huge)
     if not populate(address_of(mm), len(mm)):
         for off in range(0, len(mm), mmap.PAGESIZE):  # an old kernel: touch each page
             mm[off] = 0
