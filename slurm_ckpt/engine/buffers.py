@@ -9,8 +9,8 @@ distributions set THP to ``madvise``, so nobody gets them without asking):
 
 - a 2 MiB page is physically contiguous, so an 8 MiB O_DIRECT request is a
   handful of segments instead of 2048 scattered 4 KiB pages, and a virtio disk
-  (at most 254 segments a request) takes it whole: 2.62 GB/s from a huge-page
-  buffer against 2.13 from a 4 KiB-page one, same disk, same run
+  (at most 254 segments a request) takes it whole: raw O_DIRECT from a 4 KiB-page
+  buffer ran at 0.89x the same from a huge-page one on the development VM
   (``python bench/profile_engine.py``);
 - one fault maps 2 MiB, so faulting a fresh buffer in is 512 times fewer
   faults. ``MADV_POPULATE_WRITE`` does it in one system call: first-touch
@@ -49,7 +49,10 @@ def huge_buffer(nbytes: int, *, huge: bool = True) -> mmap.mmap:
 
 
 def populate(addr: int, nbytes: int) -> bool:
-    """Fault ``[addr, addr + nbytes)`` of our own buffer in with one system call; False if refused."""
+    """Fault ``[addr, addr + nbytes)`` of private memory in, writable, with one system call.
+
+    False if refused (a kernel before 5.14, or a hole in the range).
+    """
     return _libc.madvise(addr, nbytes, _MADV_POPULATE_WRITE) == 0
 
 
