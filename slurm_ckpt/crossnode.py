@@ -47,6 +47,7 @@ from .store.layout import step_dir
 from .store.manifest import Manifest
 from .store.retention import apply_retention, discard_checkpoint
 from .store.tiers import write_tier_file
+from .store.verify import is_committed
 
 if TYPE_CHECKING:
     from .dist import _Group
@@ -219,13 +220,7 @@ class CrossNode:
         with self._drainer.cv:
             if step in self._durable:
                 return (step_dir(self.durable.path, step) / "MANIFEST.json").is_file()
-        try:
-            from .store.verify import verify_checkpoint
-
-            verify_checkpoint(step_dir(self.durable.path, step), full=False)
-        except (CheckpointCorrupt, OSError):
-            return False
-        return True
+        return is_committed(self.durable.path, step)
 
     def take_error(self) -> BaseException | None:
         return self._drainer.take_error()

@@ -23,10 +23,9 @@ from .dist import ShardedRunDir
 from .errors import CheckpointCorrupt
 from .store import RunDir, Skipped, iter_valid, note_skip
 from .store.commit import WriteFn
-from .store.layout import step_dir
 from .store.retry import RetryPolicy, commit_resilient
 from .store.tiers import Tiers
-from .store.verify import verify_checkpoint
+from .store.verify import is_committed
 
 __all__ = ["Collective", "Load", "Local", "Placement"]
 
@@ -55,14 +54,6 @@ class Placement(Protocol):
         """(state, step, path) of the newest checkpoint that loads, or None."""
 
     def close(self, timeout: float | None = None) -> bool: ...
-
-
-def _verified(run_dir: Path, step: int) -> bool:
-    try:
-        verify_checkpoint(step_dir(run_dir, step), full=False)
-    except (CheckpointCorrupt, OSError):
-        return False
-    return True
 
 
 class Local:
@@ -95,7 +86,7 @@ class Local:
     def is_durable(self, step: int) -> bool:
         if self.tiers is not None:
             return self.tiers.is_durable(step)
-        return _verified(self.run_dir.path, step)
+        return is_committed(self.run_dir.path, step)
 
     def drain(self, timeout: float | None = None) -> bool:
         return self.tiers.drain(timeout) if self.tiers is not None else True
@@ -138,7 +129,7 @@ class Collective:
         self.run_dir.retain(self.keep, protect=[path])
 
     def is_durable(self, step: int) -> bool:
-        return _verified(self.run_dir.path, step)
+        return is_committed(self.run_dir.path, step)
 
     def drain(self, timeout: float | None = None) -> bool:
         return True

@@ -33,14 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import CheckpointCorrupt, NoSpace, storage_error
+from ..errors import NoSpace, storage_error
 from .drainer import Drainer
 from .fsutil import fsync_dir, write_file_durably
-from .layout import step_dir
 from .manifest import MANIFEST
 from .retry import RetryPolicy, prune_for_space, retry_call
 from .transfer import copy_checkpoint
-from .verify import find_latest, verify_checkpoint
+from .verify import find_latest, is_committed
 
 if TYPE_CHECKING:
     from . import RunDir
@@ -179,11 +178,7 @@ class Tiers:
                 return (self._durable[step] / MANIFEST).is_file()
             if any(i.step == step for i in self._drainer.in_flight()):
                 return False
-        try:
-            verify_checkpoint(step_dir(self.durable.path, step), full=False)
-        except (CheckpointCorrupt, OSError):
-            return False
-        return True
+        return is_committed(self.durable.path, step)
 
     @property
     def durable_step(self) -> int | None:

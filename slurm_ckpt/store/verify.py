@@ -17,7 +17,7 @@ from pathlib import Path
 from ..errors import CheckpointCorrupt, storage_error
 from .crc import crc32
 from .fsutil import open_regular, read_small
-from .layout import list_steps
+from .layout import list_steps, step_dir
 from .manifest import Manifest
 from .tensorfile import CHUNK, read_header
 
@@ -79,6 +79,15 @@ def verify_checkpoint(path: Path, *, full: bool = True) -> Manifest:
             except ValueError as e:
                 raise CheckpointCorrupt(f"{fpath}: not valid JSON ({e})", fpath) from None
     return man
+
+
+def is_committed(run_dir: Path, step: int) -> bool:
+    """Whether ``run_dir`` holds checkpoint ``step``, complete (the quick check: no checksums)."""
+    try:
+        verify_checkpoint(step_dir(run_dir, step), full=False)
+    except (CheckpointCorrupt, OSError):
+        return False
+    return True
 
 
 def _open(path: Path) -> int:
