@@ -25,7 +25,6 @@ import contextlib
 import os
 import shutil
 import statistics
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,7 +34,7 @@ from slurm_ckpt import Checkpointer
 from slurm_ckpt.config import parse_size
 from slurm_ckpt.engine import writer as engine_writer
 from slurm_ckpt.engine.bench import _Raw, drop_cache, synthetic_state
-from slurm_ckpt.engine.buffers import memory_view
+from slurm_ckpt.engine.buffers import ALIGN, memory_view
 from slurm_ckpt.engine.layout import plan_file
 from slurm_ckpt.engine.reader import read_tensor_file
 from slurm_ckpt.engine.staging import Staging
@@ -117,7 +116,7 @@ def main() -> None:
     for _ in range(args.reps):
         cases = [
             ("raw O_DIRECT x4 into faulted memory (limit)", lambda: warm.read(out, 4)),
-            ("raw O_DIRECT x4 into fresh memory", lambda: _fresh_read(out, image.size)),
+            ("raw O_DIRECT x4 into fresh memory", lambda: _fresh_read(warm, out)),
             ("engine read", lambda: read_tensor_file(path / "tensors-00000.safetensors", rec)),
         ]
         for name, fn in cases:
@@ -144,32 +143,12 @@ def _nocrc(out: Path, image: Any) -> None:
         write_image(out, image)
 
 
-def _fresh_read(path: Path, nbytes: int) -> None:
+def _fresh_read(raw: _Raw, path: Path) -> None:
+    """``raw``'s read, into memory allocated just before (every page faulted by the read)."""
     import torch
 
-    buf = torch.empty(nbytes + 4096, dtype=torch.uint8)
-    base = buf.data_ptr() + (-buf.data_ptr() % 4096)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        chunk = 8 << 20
-        offs = iter(range(0, nbytes - nbytes % 4096, chunk))
-        lock = threading.Lock()
-
-        def work() -> None:
-            while True:
-                with lock:
-                    off = next(offs, None)
-                if off is None:
-                    return
-                os.preadv(fd, [memory_view(base + off, min(chunk, nbytes - nbytes % 4096 - off))], off)
-
-        threads = [threading.Thread(target=work) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        os.close(fd)
+    buf = torch.empty(raw.nbytes + ALIGN, dtype=torch.uint8)
+    raw.read(path, 4, into=memory_view(buf.data_ptr() + (-buf.data_ptr() % ALIGN), raw.nbytes))
 
 
 def _crc_rate() -> float:

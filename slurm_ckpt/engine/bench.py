@@ -158,17 +158,18 @@ class _Raw:
         finally:
             os.close(fd)
 
-    def read(self, path: Path, threads: int) -> None:
+    def read(self, path: Path, threads: int, into: memoryview | None = None) -> None:
+        """Read into our buffer, or into ``into`` (page-aligned, ``nbytes`` long)."""
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
         try:
-            self._parallel(threads, lambda v, off: os.preadv(fd, [v], off))
+            self._parallel(threads, lambda v, off: os.preadv(fd, [v], off), into)
         finally:
             os.close(fd)
 
-    def _parallel(self, threads: int, io: Callable[[memoryview, int], int]) -> None:
+    def _parallel(self, threads: int, io: Callable[[memoryview, int], int], into: memoryview | None = None) -> None:
         offsets = iter(range(0, self.nbytes, self.chunk))
         lock = threading.Lock()
-        view = memoryview(self.buf)
+        view = memoryview(self.buf) if into is None else into
 
         def worker() -> None:
             while True:
@@ -188,7 +189,8 @@ class _Raw:
             t.start()
         for t in pool:
             t.join()
-        view.release()
+        if into is None:
+            view.release()
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
