@@ -14,6 +14,7 @@ write  raw O_DIRECT from one page-aligned buffer on huge pages (the limit)
 read   raw O_DIRECT into memory already faulted in (the limit)
        raw O_DIRECT into fresh memory (adds: page faults)
        engine read (adds: checksums, one storage per large tensor)
+       the same with zlib's crc32 (what the optional isal package is worth)
 stall  memcpy of the state into a reused buffer, against the sync save
        (the floor of the copy snapshot's stall ratio on this machine)
 """
@@ -26,12 +27,14 @@ import os
 import shutil
 import statistics
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from slurm_ckpt import Checkpointer
 from slurm_ckpt.config import parse_size
+from slurm_ckpt.engine import reader as engine_reader
 from slurm_ckpt.engine import writer as engine_writer
 from slurm_ckpt.engine.bench import _Raw, drop_cache, synthetic_state
 from slurm_ckpt.engine.buffers import ALIGN, memory_view
@@ -45,13 +48,19 @@ from slurm_ckpt.store.verify import verify_checkpoint
 
 
 @contextlib.contextmanager
-def no_checksum() -> Iterator[None]:
-    real = engine_writer.crc32
-    engine_writer.crc32 = lambda data, value=0: 0
+def crc32_of(module: Any, fn: Callable[..., int]) -> Iterator[None]:
+    """``module`` computes its checksums with ``fn`` for the duration."""
+    real = module.crc32
+    module.crc32 = fn
     try:
         yield
     finally:
-        engine_writer.crc32 = real
+        module.crc32 = real
+
+
+def _zlib_read(path: Path, rec: Any) -> Any:
+    with crc32_of(engine_reader, zlib.crc32):
+        return read_tensor_file(path, rec)
 
 
 def timed(fn: Callable[[], Any], before: Callable[[], Any] = lambda: None) -> float:
@@ -118,6 +127,7 @@ def main() -> None:
             ("raw O_DIRECT x4 into faulted memory (limit)", lambda: warm.read(out, 4)),
             ("raw O_DIRECT x4 into fresh memory", lambda: _fresh_read(warm, out)),
             ("engine read", lambda: read_tensor_file(path / "tensors-00000.safetensors", rec)),
+            ("engine read, zlib's crc32 (without isal)", lambda: _zlib_read(path / "tensors-00000.safetensors", rec)),
         ]
         for name, fn in cases:
             reads.setdefault(name, []).append(timed(fn, lambda: drop_cache([out, path])))
@@ -139,7 +149,7 @@ def main() -> None:
 
 
 def _nocrc(out: Path, image: Any) -> None:
-    with no_checksum():
+    with crc32_of(engine_writer, lambda data, value=0: 0):
         write_image(out, image)
 
 

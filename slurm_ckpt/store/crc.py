@@ -3,8 +3,8 @@
 Why crc32 (zlib's) and not crc32c or xxhash: every Python has ``zlib``, so every
 install can verify every checkpoint with no extra package. ``crc32`` here is
 that same function, computed by ISA-L when the optional ``isal`` package is
-installed (``pip install slurm-ckpt[fast]``): identical values, 35 GB/s a
-core against zlib's 7.0 on the development VM (``python bench/checksums.py``),
+installed (``pip install slurm-ckpt[fast]``): identical values, 25-29 GB/s
+a core against zlib's 6.9 on the development VM (``python bench/checksums.py``),
 and like zlib it releases the GIL, so worker threads checksum in parallel.
 At zlib's speed crc32 costs 0.15 s of CPU per GiB, which on a 2-core machine
 competes with the I/O threads; with ISA-L it is 0.03 s. crc32c (16.5 GB/s) or
