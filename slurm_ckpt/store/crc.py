@@ -7,7 +7,7 @@ installed (``pip install slurm-ckpt[fast]``): identical values, 25-29 GB/s
 a core against zlib's 6.9 on the development VM (``python bench/checksums.py``),
 and like zlib it releases the GIL, so worker threads checksum in parallel.
 At zlib's speed crc32 costs 0.15 s of CPU per GiB, which on a 2-core machine
-competes with the I/O threads; with ISA-L it is 0.03 s. crc32c (16.5 GB/s) or
+competes with the I/O threads; with ISA-L it is 0.04 s. crc32c (16.5 GB/s) or
 xxh3 (32 GB/s) would be no faster, and would make checkpoints unverifiable
 wherever their package is missing.
 
