@@ -110,9 +110,7 @@ def plan_file(entries: Sequence[TensorEntry], metadata: dict[str, str] | None = 
     return FileImage(size=size, pieces=pieces, keep=[header, [e.tensor for e in ordered]])
 
 
-def plan_writes(
-    pieces: Sequence[Piece], chunk: int, *, direct: bool = True, in_place: bool = True
-) -> list[Write]:
+def plan_writes(pieces: Sequence[Piece], chunk: int, *, direct: bool = True) -> list[Write]:
     """The write calls for a file made of ``pieces``, in file order, each at most ``chunk`` bytes.
 
     With ``direct``, every stretch of a piece whose address and file offset
@@ -120,11 +118,8 @@ def plan_writes(
     gathered in whole pages (only the file's last page may be partial). One
     write call takes both kinds (``pwritev``), so the few gathered pages at the
     seams between tensors do not cost a round trip to the device each.
-    Without ``direct``, everything is gathered (``pwritev`` needs no alignment).
-    ``in_place=False`` gathers everything through bounce buffers even with
-    ``direct``: a forked writer must, because pinning a page it shares with its
-    parent for O_DIRECT makes the kernel copy that page first (measured: 267k
-    page faults and 2-3x slower for 1 GiB, and a full second copy in memory).
+    Without ``direct``, everything is gathered (``pwritev`` needs no alignment;
+    ``write_image(in_place=False)`` asks for that on an O_DIRECT file too).
     """
     segs: list[Segment] = []
     run: list[Piece] = []
@@ -146,7 +141,7 @@ def plan_writes(
     for addr, n in pieces:
         lo = -(-off // ALIGN) * ALIGN  # first page boundary in the piece
         hi = (off + n) // ALIGN * ALIGN
-        if direct and in_place and (addr - off) % ALIGN == 0 and hi - lo >= ALIGN:
+        if direct and (addr - off) % ALIGN == 0 and hi - lo >= ALIGN:
             gather(addr, lo - off)  # ends exactly at ``lo``: the run stays page-aligned
             close_run()
             segs.append(Segment(True, ((addr + lo - off, hi - lo),), hi - lo))
