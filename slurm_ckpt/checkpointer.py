@@ -115,17 +115,20 @@ class Checkpointer:
         crossnode = self._make_crossnode(scratch, lock_timeout)
         return crossnode if crossnode is not None else Collective(self.run_dir, self.keep)
 
-    def _make_tiers(self, scratch: str | Path | bool | None, lock_timeout: float | None) -> Tiers | None:
+    def _fast_dir(self, scratch: str | Path | bool | None) -> Path | None:
+        """``<scratch>/ckpt`` when a usable scratch dir is named and it is not the run dir itself."""
         named = _named_scratch(scratch)
-        if named is None:
-            return None
         base = usable_scratch(named)
         if base is None:
             if named is not None:
                 log.warning("scratch %s is not a writable directory; saving to %s only", named, self.dir)
             return None
         fast = fast_dir(base).absolute()
-        if fast == self.dir:
+        return None if fast == self.dir else fast
+
+    def _make_tiers(self, scratch: str | Path | bool | None, lock_timeout: float | None) -> Tiers | None:
+        fast = self._fast_dir(scratch)
+        if fast is None:
             return None
         tiers = Tiers(RunDir(fast, lock_timeout=lock_timeout), self.run_dir.inner, keep=self.keep,
                       policy=RetryPolicy.for_path(self.config.storage, self.dir),
@@ -141,12 +144,7 @@ class Checkpointer:
         group = self.run_dir.group()
         assert group is not None
         # Every rank takes part in setup (a collective), with or without scratch.
-        named = _named_scratch(scratch)
-        base = usable_scratch(named)
-        if base is None and named is not None:
-            log.warning("scratch %s is not a writable directory", named)
-        fast = None if base is None else fast_dir(base).absolute()
-        return CrossNode.setup(group, self.run_dir.inner, None if fast == self.dir else fast, keep=self.keep,
+        return CrossNode.setup(group, self.run_dir.inner, self._fast_dir(scratch), keep=self.keep,
                                lock_timeout=lock_timeout, on_lag=self.metrics.set_stageout_lag,
                                drain=self.config.storage.drain)  # fmt: skip
 
