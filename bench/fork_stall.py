@@ -24,7 +24,7 @@ from typing import Any
 
 from slurm_ckpt import Checkpointer
 from slurm_ckpt.config import load_config, parse_size
-from slurm_ckpt.engine.bench import flatten, synthetic_state
+from slurm_ckpt.engine.bench import _remove_steps, _training_step, synthetic_state
 from slurm_ckpt.engine.layout import plan_file
 from slurm_ckpt.store.codec import encode_state
 
@@ -38,7 +38,6 @@ def main() -> None:
     root = args.dir / "fork-stall"
     shutil.rmtree(root, ignore_errors=True)
     state = synthetic_state(parse_size(args.size))
-    tensors = list(flatten(state).values())
     cfg = load_config()
     ck = {mode: Checkpointer(root / mode, keep=1000, distributed=False,
                              config=dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, snapshot=mode)))
@@ -46,11 +45,10 @@ def main() -> None:
     times: dict[str, list[float]] = {}
 
     def timed(name: str, fn: object) -> None:
-        for old in root.glob("*/step-*"):
-            shutil.rmtree(old)  # outside the timing, as in slurm-ckpt bench
+        for c in ck.values():
+            _remove_steps(c.dir)  # outside the timing, as in slurm-ckpt bench
         os.sync()
-        for t in tensors:
-            t.add_(0)  # a training step between saves: every page written again
+        _training_step(state)
         t0 = time.perf_counter()
         fn()  # type: ignore[operator]
         times.setdefault(name, []).append(time.perf_counter() - t0)

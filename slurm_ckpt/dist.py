@@ -44,11 +44,10 @@ from .store import RunDir, Skipped, iter_valid, note_skip
 from .store.commit import WriteFn
 from .store.fsutil import fsync_dir
 from .store.manifest import Manifest
+from .store.shards import SHARD_PREFIX, prefixed, shard_name
 from .store.tensorfile import FileRecord
 
 __all__ = ["RankInfo", "ShardedRunDir", "rank_info", "shard_manifest"]
-
-SHARD_PREFIX = "rank-"
 
 
 @dataclass(frozen=True)
@@ -82,10 +81,6 @@ def rank_info() -> RankInfo:
     except ValueError:
         rank, world = 0, 1
     return RankInfo(rank, world, "slurm" if "SLURM_PROCID" in os.environ else "single")
-
-
-def shard_name(rank: int) -> str:
-    return f"{SHARD_PREFIX}{rank:05d}"
 
 
 def shard_manifest(man: Manifest, rank: int) -> Manifest | None:
@@ -315,17 +310,14 @@ def _write_shard(
     tmp: Path, rank: int, write: WriteFn
 ) -> tuple[tuple[Any, ...], BaseException | None]:
     """Write this rank's shard under ``tmp``; (report for rank 0, local error)."""
-    name = shard_name(rank)
     try:
-        sub = tmp / name
+        sub = tmp / shard_name(rank)
         sub.mkdir()
         files, tensors = write(sub)
         fsync_dir(sub)  # the shard's file names must survive a crash too
     except BaseException as e:  # reported to rank 0, then re-raised here
         return ("error", f"rank {rank}: {e}"), e
-    prefix = name + "/"
-    return ("ok", {prefix + n: r for n, r in files.items()},
-            {prefix + k: {**v, "file": prefix + v["file"]} for k, v in tensors.items()}), None  # fmt: skip
+    return ("ok", *prefixed(rank, files, tensors)), None
 
 
 def _load_shard(

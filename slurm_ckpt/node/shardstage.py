@@ -19,26 +19,15 @@ import os
 import socket
 import stat
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointCorrupt
 from ..store import shards as sh
+from .stageout import StageResult
 
-__all__ = ["ShardStage", "has_shards", "stage_shards"]
+__all__ = ["has_shards", "stage_shards"]
 
 log = logging.getLogger("slurm_ckpt.node")
-
-
-@dataclass(frozen=True)
-class ShardStage:
-    """What the stage-out did with this node's shards (fields as in ``StageResult``)."""
-
-    status: str
-    """staged | up-to-date | none | failed"""
-    detail: str
-    step: int | None = None
-    path: str | None = None
 
 
 def _rank_dirs(scratch_ckpt: Path) -> list[Path]:
@@ -63,13 +52,13 @@ def has_shards(scratch_ckpt: Path) -> bool:
     return bool(_rank_dirs(scratch_ckpt))
 
 
-def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float) -> ShardStage:
+def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float) -> StageResult:
     """Stage every shard on this node that the durable tier still needs. Never raises."""
     start = time.monotonic()
     try:
         newest = sh.newest_durable_step(durable)
     except OSError as e:
-        return ShardStage("failed", f"cannot read the durable run dir {durable}: {e}")
+        return StageResult("failed", f"cannot read the durable run dir {durable}: {e}")
     staged: list[str] = []
     errors: list[str] = []
     committed: tuple[int, str] | None = None
@@ -115,13 +104,13 @@ def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float) -> Shar
     where = f"on {socket.gethostname()} in {time.monotonic() - start:.3f}s: "
     if errors:
         # Scratch must be kept: it may hold the only copy of a shard.
-        return ShardStage("failed", where + "; ".join(errors)[:2000])
+        return StageResult("failed", where + "; ".join(errors)[:2000])
     if staged:
         step, path = committed if committed else (None, None)
-        return ShardStage("staged", where + "; ".join(staged)[:2000], step, path)
+        return StageResult("staged", where + "; ".join(staged)[:2000], step, path)
     if seen:
-        return ShardStage("up-to-date", f"{durable} has step {newest}", newest)
-    return ShardStage("none", f"no valid shard in {scratch_ckpt}")
+        return StageResult("up-to-date", f"{durable} has step {newest}", newest)
+    return StageResult("none", f"no valid shard in {scratch_ckpt}")
 
 
 def _superseded(durable: Path, step: int) -> bool:

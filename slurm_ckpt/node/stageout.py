@@ -23,11 +23,11 @@ from pathlib import Path
 
 from ..errors import CheckpointCorrupt, SlurmCkptError
 from ..store import Candidate, RunDir, copy_checkpoint, find_latest, verify_checkpoint
+from ..store.fsutil import read_small
 from ..store.layout import list_steps
 from ..store.manifest import MANIFEST, Manifest
 from ..store.shards import plain_files
 from .job import Job
-from .shardstage import has_shards, stage_shards
 
 __all__ = ["TIER_FILE", "StageResult", "read_tier", "stage_out"]
 
@@ -59,18 +59,9 @@ def read_tier(scratch_ckpt: Path) -> Path | None:
     the path must be absolute. Called with the user's privileges.
     """
     try:
-        fd = os.open(scratch_ckpt / TIER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        data = json.loads(read_small(scratch_ckpt / TIER_FILE, _MAX_TIER))
+    except (OSError, ValueError):  # CheckpointCorrupt (not a regular file, too big) included
         return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_TIER:
-            return None
-        data = json.loads(os.read(fd, _MAX_TIER))
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
     durable = data.get("durable") if isinstance(data, dict) else None
     if not isinstance(durable, str) or not durable.startswith("/") or "\0" in durable or len(durable) > 4096:
         return None
@@ -103,10 +94,12 @@ def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float
     durable = read_tier(scratch_ckpt) or default_durable
     if durable is None:
         return StageResult("failed", "no durable run dir: no TIER.json and no storage.root")
+    # Imported here: only the stage-out child needs it, not every prolog.
+    from .shardstage import has_shards, stage_shards
+
     if has_shards(scratch_ckpt):
         # A cross-node sharded job: this node's shards go to the durable staging dirs.
-        r = stage_shards(scratch_ckpt, durable, lock_timeout)
-        return StageResult(r.status, r.detail, r.step, r.path)
+        return stage_shards(scratch_ckpt, durable, lock_timeout)
     newest = find_latest([durable], full=False)
     errors: list[str] = []
     for cand in _candidates(scratch_ckpt, errors):

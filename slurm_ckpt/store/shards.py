@@ -84,6 +84,15 @@ def shard_name(rank: int) -> str:
     return f"{SHARD_PREFIX}{rank:05d}"
 
 
+def prefixed(
+    rank: int, files: dict[str, FileRecord], tensors: dict[str, Any]
+) -> tuple[dict[str, FileRecord], dict[str, Any]]:
+    """A shard's file and tensor records as the whole checkpoint's manifest names them."""
+    prefix = shard_name(rank) + "/"
+    return ({prefix + n: r for n, r in files.items()},
+            {prefix + k: {**v, "file": prefix + v["file"]} for k, v in tensors.items()})  # fmt: skip
+
+
 def rank_of(name: str) -> int | None:
     m = _RANK_RE.match(name)
     return int(m.group(1)) if m else None
@@ -397,11 +406,9 @@ def _merged(
     tensors: dict[str, Any] = {}
     where: dict[str, Any] = {}
     for s in shards:
-        prefix = shard_name(s.rank) + "/"
-        files.update({prefix + n: r for n, r in s.manifest.files.items()})
-        tensors.update(
-            {prefix + k: {**v, "file": prefix + v["file"]} for k, v in s.manifest.tensors.items()}
-        )
+        f, t = prefixed(s.rank, s.manifest.files, s.manifest.tensors)
+        files.update(f)
+        tensors.update(t)
         where[shard_name(s.rank)] = {
             "rank": s.rank, "host": s.manifest.host, "staged_from": s.manifest.extra.get("staged_from"),
             "files": len(s.manifest.files), "bytes": sum(r.size for r in s.manifest.files.values()),
