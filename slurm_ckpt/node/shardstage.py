@@ -23,11 +23,21 @@ from pathlib import Path
 
 from ..errors import CheckpointCorrupt
 from ..store import shards as sh
+from ..store.manifest import Manifest
 from .stageout import StageResult
 
 __all__ = ["has_shards", "stage_shards"]
 
 log = logging.getLogger("slurm_ckpt.node")
+
+
+def _assembled_here(done: Path) -> bool:
+    """Whether this process assembled ``done``: complete() also returns a save that another
+    node's epilog assembled while this one was staging its shard."""
+    try:
+        return Manifest.read(done).extra.get("assembled_by") == sh.assembler("epilog")
+    except (OSError, CheckpointCorrupt):
+        return False
 
 
 def _rank_dirs(scratch_ckpt: Path) -> list[Path]:
@@ -95,7 +105,8 @@ def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float) -> Stag
                 errors.append(f"{name}: {e}")
                 continue
             if done is not None:
-                staged.append(f"{name} -> {done} (complete)")
+                how = "(complete)" if _assembled_here(done) else "(completed by another node)"
+                staged.append(f"{name} -> {done} {how}")
                 if committed is None or shard.step > committed[0]:
                     committed = (shard.step, str(done))
                 break  # this rank's older shards are superseded by a whole checkpoint

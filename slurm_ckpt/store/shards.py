@@ -84,6 +84,11 @@ def shard_name(rank: int) -> str:
     return f"{SHARD_PREFIX}{rank:05d}"
 
 
+def assembler(by: str) -> str:
+    """How a manifest's ``assembled_by`` names this process (``by``: drain, epilog)."""
+    return " ".join(filter(None, [socket.gethostname(), by, f"pid {os.getpid()}"]))
+
+
 def prefixed(
     rank: int, files: dict[str, FileRecord], tensors: dict[str, Any]
 ) -> tuple[dict[str, FileRecord], dict[str, Any]]:
@@ -415,7 +420,7 @@ def _merged(
         }  # fmt: skip
     first = shards[0].manifest
     extra = {"save_id": save_id, "shards": where, "assembled_at": time.time(),
-             "assembled_by": " ".join(filter(None, [socket.gethostname(), by, f"pid {os.getpid()}"]))}  # fmt: skip
+             "assembled_by": assembler(by)}  # fmt: skip
     return Manifest(step=step, files=files, tensors=tensors, time=when, host=first.host, job_id=first.job_id,
                     world_size=world, nbytes=sum(s.manifest.nbytes for s in shards), extra=extra)  # fmt: skip
 
