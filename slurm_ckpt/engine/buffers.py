@@ -39,13 +39,37 @@ def huge_buffer(nbytes: int, *, huge: bool = True) -> mmap.mmap:
     """A zero-filled, page-aligned private buffer, backed by huge pages where the kernel can.
 
     Not faulted in yet: see :func:`populate`. ``huge=False``: 4 KiB pages (for comparison).
+
+    Only the 2 MiB-aligned stretches of a mapping can be huge pages, and the
+    kernel (6.7 and later) aligns an anonymous mapping only when its length is
+    a whole number of huge pages. So a buffer of 2 MiB or more is mapped that
+    long, and ``len()`` may exceed ``nbytes``: without it a 16 MiB buffer had
+    2 MiB on 4 KiB pages, a 4 MiB one half of it. The bytes past ``nbytes`` are
+    kept on 4 KiB pages, so they cost address space, not memory, until touched.
     """
-    mm = mmap.mmap(-1, max(nbytes, ALIGN), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge and len(mm) >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+    n = _pages(nbytes)
+    length = _length(nbytes, huge)
+    mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge and length >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        whole = n // _HUGE * _HUGE
         # THP compiled out or disabled: 4 KiB pages, still correct.
         with contextlib.suppress(OSError):
-            mm.madvise(mmap.MADV_HUGEPAGE)
+            mm.madvise(mmap.MADV_HUGEPAGE, 0, whole)
+            if whole < length:  # THP "always": the unused end must not fault a whole huge page in
+                mm.madvise(mmap.MADV_NOHUGEPAGE, whole, length - whole)
     return mm
+
+
+def _pages(nbytes: int) -> int:
+    return -(-max(nbytes, 1) // ALIGN) * ALIGN
+
+
+def _length(nbytes: int, huge: bool = True) -> int:
+    """How long :func:`huge_buffer` maps a buffer of ``nbytes``."""
+    n = _pages(nbytes)
+    if not huge or n < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return n
+    return -(-n // _HUGE) * _HUGE
 
 
 def populate(addr: int, nbytes: int) -> bool:
@@ -57,10 +81,12 @@ def populate(addr: int, nbytes: int) -> bool:
 
 
 def aligned_buffer(nbytes: int, *, huge: bool = True) -> mmap.mmap:
-    """A zero-filled, page-aligned, already faulted-in private buffer (huge pages where possible)."""
+    """A zero-filled, page-aligned private buffer whose first ``nbytes`` are faulted in
+    (huge pages where possible; see :func:`huge_buffer` for its length)."""
     mm = huge_buffer(nbytes, huge=huge)
-    if not populate(address_of(mm), len(mm)):
-        for off in range(0, len(mm), mmap.PAGESIZE):  # an old kernel: touch each page
+    n = _pages(nbytes)
+    if not populate(address_of(mm), n):
+        for off in range(0, n, mmap.PAGESIZE):  # an old kernel: touch each page
             mm[off] = 0
     return mm
 
@@ -93,7 +119,7 @@ class BouncePool:
         with self._lock:
             if self._pid != os.getpid():
                 self._free, self._pid = {}, os.getpid()
-            free = self._free.get(nbytes)
+            free = self._free.get(_length(nbytes))
             if free:
                 return free.pop()
         return aligned_buffer(nbytes)

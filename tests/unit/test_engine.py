@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import mmap
 import os
 import struct
 import zlib
@@ -396,6 +397,31 @@ def _anon_huge_kib(addr: int) -> int:
     raise AssertionError(f"no mapping holds {addr:#x}")
 
 
+def _mapped_kib(lo: int, hi: int, field: str) -> int:
+    """``field`` (Rss, AnonHugePages) summed over the mappings inside ``[lo, hi)``."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            a, b = (int(x, 16) for x in head.split("-"))
+            inside = lo <= a and b <= hi
+        elif inside and head == f"{field}:":
+            total += int(line.split()[1])
+    return total
+
+
+def _kernel_aligns_huge_mappings() -> bool:
+    # Linux 6.7+ puts an anonymous private mapping that is a whole number of
+    # huge pages long on a huge-page boundary; older kernels may not.
+    mm = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        from slurm_ckpt.engine.buffers import address_of
+
+        return address_of(mm) % (2 << 20) == 0
+    finally:
+        mm.close()
+
+
 @pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this kernel")
 def test_own_buffers_and_read_storage_get_huge_pages(tmp_path: Path) -> None:
     # THP is 'madvise' on most distributions: without asking, a buffer gets 4 KiB
@@ -412,6 +438,30 @@ def test_own_buffers_and_read_storage_get_huge_pages(tmp_path: Path) -> None:
     got = read_tensor_file(path, rec)["w"]
     assert torch.equal(got, big)
     assert _anon_huge_kib(got.data_ptr()) >= 8 << 10
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this kernel")
+@pytest.mark.skipif(not _kernel_aligns_huge_mappings(), reason="this kernel does not align huge mappings")
+def test_buffers_are_huge_pages_end_to_end_and_their_slack_costs_no_memory(tmp_path: Path) -> None:
+    # Only 2 MiB-aligned stretches can be huge pages: a buffer of 16 MiB and two
+    # pages (what a 16 MiB tensor 64 bytes past a page needs) must be 8 whole huge
+    # pages plus two small ones, not 7 and 2 MiB of small pages, nor 9 huge pages.
+    from slurm_ckpt.engine.buffers import address_of, aligned_buffer
+
+    for nbytes in [(16 << 20) + 8192, 4 << 20, (3 << 20) + 4096]:
+        buf = aligned_buffer(nbytes)
+        lo = address_of(buf)
+        assert lo % (2 << 20) == 0 and len(buf) >= nbytes
+        assert _mapped_kib(lo, lo + len(buf), "AnonHugePages") == (nbytes >> 21) << 11
+        assert _mapped_kib(lo, lo + len(buf), "Rss") == nbytes >> 10
+        buf.close()
+    # So a tensor read back lands on huge pages from its first byte to its last.
+    big = torch.randn(4 << 20)
+    enc = encode_state({"w": big})
+    path = tmp_path / "x.safetensors"
+    got = read_tensor_file(path, write_image(path, plan_file(enc.tensors)))["w"]
+    assert torch.equal(got, big)
+    assert _anon_huge_kib(got.data_ptr()) == 16 << 10
 
 
 def test_fast_crc32_is_zlibs_crc32() -> None:
