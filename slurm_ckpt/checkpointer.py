@@ -19,6 +19,7 @@ from .metrics import Metrics
 from .placement import Collective, Local, Placement
 from .store import RunDir, Skipped, find_latest
 from .store.commit import WriteFn
+from .store.retention import reaped
 from .store.retry import RetryPolicy
 from .store.tiers import Tiers, fast_dir, usable_scratch
 
@@ -301,12 +302,14 @@ class Checkpointer:
                         "(storage.on_async_error: warn)", h.step, e)  # fmt: skip
 
     def wait(self) -> None:
-        """Block until any background save is committed, and copied to the durable tier.
+        """Block until any background save is committed, and copied to the durable tier,
+        and the checkpoints retention dropped are deleted.
 
         A failed save raises its error; a failed copy follows ``storage.on_async_error``.
         """
         self._drain_inflight(policy=False)
         self.placement.drain()
+        reaped()
         self._surface_drain_error()
 
     def fence(self) -> None:
@@ -364,6 +367,7 @@ class Checkpointer:
             self._drain_inflight()
         finally:
             self.placement.close()
+            reaped()
             self.run_dir.release_group()
             # Done checkpointing: the series ends, so no alert fires for a finished job.
             self.metrics.close(remove=True)

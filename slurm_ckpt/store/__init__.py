@@ -64,8 +64,12 @@ class RunDir:
         return commit(self.path, step, write, **meta)
 
     def retain(self, keep: int, *, protect: Collection[Path] = ()) -> list[Path]:
-        """Apply retention; ``protect`` (e.g. the checkpoint just committed) is never deleted."""
-        return apply_retention(self.path, keep, protect=protect)
+        """Apply retention; ``protect`` (e.g. the checkpoint just committed) is never deleted.
+
+        Old checkpoints vanish at once; their files are deleted in the background
+        (``retention.reaped()`` waits for that).
+        """
+        return apply_retention(self.path, keep, protect=protect, later=True)
 
     def latest(self, *, full: bool = True, skipped: list[Skipped] | None = None) -> Candidate | None:
         return find_latest([self.path], full=full, skipped=skipped)

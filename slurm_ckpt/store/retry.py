@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..errors import ConfigError, NoSpace, SlurmCkptError, StorageError, storage_error
-from .retention import apply_retention, remove_stale_tmp
+from .retention import apply_retention, reaped, remove_stale_tmp
 
 if TYPE_CHECKING:
     from ..config import StorageConfig
@@ -197,6 +197,7 @@ def prune_for_space(run_dir: Path, keep: int, *, protect: Collection[Path] = ())
     never deleted) plus ``protect`` (e.g. one a drain is copying), and removes
     temp dirs of dead writers.
     """
+    reaped()  # space that earlier retention is still freeing comes first
     removed = remove_stale_tmp(run_dir)
     removed += apply_retention(run_dir, max(1, keep - 1), protect=protect)
     return removed

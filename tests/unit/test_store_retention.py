@@ -117,3 +117,52 @@ def test_discard_vanishes_whole_even_if_interrupted(
     monkeypatch.undo()
     retention.remove_stale_tmp(run_dir)  # what the next writer does first
     assert not (run_dir / leftovers[0]).exists()
+
+
+def test_retention_after_a_save_deletes_in_the_background(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """save() returns at its commit: the old step is gone from view at once, its files are
+    deleted on the reaper thread (held here until the test lets it go), and wait() waits."""
+    import threading
+
+    gate, started = threading.Event(), threading.Event()
+    real = retention.remove_tree
+
+    def held(path: Path) -> None:
+        started.set()
+        assert gate.wait(30), "the test never released the reaper"
+        real(path)
+
+    monkeypatch.setattr(retention, "remove_tree", held)
+    with Checkpointer(run_dir, keep=1) as ck:
+        ck.save({"w": torch.ones(4), "step": 1}, step=1)
+        ck.save({"w": torch.ones(4), "step": 2}, step=2)  # returns while the delete of 1 is held
+        assert started.wait(30)
+        assert steps(run_dir) == [2]
+        trash = [n for n in os.listdir(run_dir) if n.startswith(".tmp-step-000000001-")]
+        assert len(trash) == 1 and not retention.reaped(timeout=0)
+        # The next writer's cleanup must not take the reaper's own temp dir for a leftover.
+        assert retention.remove_stale_tmp(run_dir) == []
+        gate.set()
+        ck.wait()
+        assert not (run_dir / trash[0]).exists() and retention.reaped(timeout=0)
+        assert ck.load_latest()["step"] == 2
+
+
+def test_a_delete_left_by_a_killed_trainer_is_finished_by_the_next_writer(run_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    save_steps(run_dir, [1, 2])
+    # The child queues the delete of step 1 for its reaper and dies before the reaper runs.
+    code = ("import os, sys; from pathlib import Path; from slurm_ckpt.store import retention; "
+            "retention._reaper.submit = lambda trash: os._exit(9); "
+            "retention.discard_checkpoint(Path(sys.argv[1]), later=True)")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code, str(run_dir / "step-000000001")], check=False)
+    assert proc.returncode == 9
+    assert steps(run_dir) == [2]
+    assert [n for n in os.listdir(run_dir) if n.startswith(".tmp-step-000000001-")]
+    with Checkpointer(run_dir, keep=1) as ck:
+        ck.save({"step": 3}, step=3)
+        ck.wait()
+    assert steps(run_dir) == [3]
+    assert not [n for n in os.listdir(run_dir) if n.startswith(".tmp-")]
