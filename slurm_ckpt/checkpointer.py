@@ -331,6 +331,7 @@ class Checkpointer:
         trusted: bool = False,
         skipped: list[Skipped] | None = None,
         mmap: bool = False,
+        into: Any = None,
     ) -> Any:
         """The state of the newest valid checkpoint, or None if there is none.
 
@@ -338,12 +339,20 @@ class Checkpointer:
         skipped with a warning naming the bad file, and the next older one is
         tried. ``loaded_step`` and ``loaded_path`` then say which one was used.
         ``mmap=True`` maps the data files instead of reading them (zero-copy).
+
+        ``into``: a state shaped like the saved one, e.g. ``{"model":
+        model.state_dict(), ...}``; its tensors are loaded into in place, and the
+        returned state holds them. Large CPU tensors are read straight into their
+        memory: no second copy of the state, no fresh memory. A tensor whose dtype
+        or shape differs raises ``ValueError``; one that is missing is loaded into
+        fresh memory. If a checkpoint fails its checksum, tensors already read
+        hold part of it until an older checkpoint is loaded over them.
         """
         self._check_open()
 
         def load_state(p: Path, m: Any, *, map_location: Any, trusted: bool) -> Any:
             with self.metrics.time_load() as loaded:
-                state = self.engine.load(p, m, map_location=map_location, trusted=trusted, mmap=mmap)
+                state = self.engine.load(p, m, map_location=map_location, trusted=trusted, mmap=mmap, into=into)
                 loaded.append(int(m.nbytes or sum(r.size for r in m.files.values())))
             return state
 

@@ -171,10 +171,26 @@ class Engine:
         return LazyJob(enc, stage, self.write_image)
 
     def load(
-        self, ckpt: Path, man: Manifest, *, map_location: Any = None, trusted: bool = False, mmap: bool = False
+        self,
+        ckpt: Path,
+        man: Manifest,
+        *,
+        map_location: Any = None,
+        trusted: bool = False,
+        mmap: bool = False,
+        into: Any = None,
     ) -> Any:
-        """The state of a committed checkpoint, read in parallel and verified as read."""
-        read = functools.partial(read_tensor_file, threads=self.threads, chunk=self.cfg.chunk_size, use_mmap=mmap)
+        """The state of a committed checkpoint, read in parallel and verified as read.
+
+        ``into``: a state shaped like the saved one whose tensors are loaded into
+        in place, matched by where they sit in it (see ``reader``).
+        """
+        targets = None
+        if into is not None:
+            with gc_paused():
+                targets = {e.key: e.tensor for e in encode_state(into, allow_pickle=True, prepare=_keep).tensors}
+        read = functools.partial(read_tensor_file, threads=self.threads, chunk=self.cfg.chunk_size, use_mmap=mmap,
+                                 into=targets)  # fmt: skip
         with gc_paused():
             return load_state(ckpt, man, map_location=map_location, trusted=trusted, read=read)
 

@@ -249,7 +249,19 @@ def run_bench(
     # its penalty runs land on that copy; the unshare faults every page of the
     # process owes after a fork are paid by _training_step, outside the timing.
     own = {mode: _clone(state) if mode == "fork" else state for mode in asyncs}
-    total = reps * (len(writers) + len(asyncs) * 3 + 7 + (4 if small else 0))
+    readers: list[tuple[str, Callable[[], Any], list[Path]]] = [
+        ("raw O_DIRECT", lambda: raw.read(root / "raw.bin", 1), [root / "raw.bin"]),
+        (f"raw O_DIRECT x{cores * 2}", lambda: raw.read(root / "raw.bin", cores * 2), [root / "raw.bin"]),
+        ("torch.load", lambda: torch.load(root / "torch.pt", weights_only=True), [root / "torch.pt"]),
+        (f"DCP (threads={cores})", lambda: _dcp_load(dcp_state, root / "dcp"), [root / "dcp"]),
+        ("safetensors load_file", lambda: _st_load(root / "st.safetensors"), [root / "st.safetensors"]),
+        ("ours", lambda: ours.load_latest(), [root / "ours"]),
+        ("ours mmap", lambda: ours.load_latest(mmap=True), [root / "ours"]),
+        # A resume into the model and optimizer the trainer already built.
+        ("DCP, into existing tensors", lambda: _dcp_load(dcp_state, root / "dcp", into=True), [root / "dcp"]),
+        ("ours, into existing tensors", lambda: ours.load_latest(into=state), [root / "ours"]),
+    ]
+    total = reps * (len(writers) + len(asyncs) * 3 + len(readers) + (4 if small else 0))
     step = [0]
 
     def tick(kind: str, name: str, r: int, secs: float, n: int = 0) -> None:
@@ -271,15 +283,6 @@ def run_bench(
                 _training_step(own[mode])
                 _async_run(ck, own[mode], mode, res(f"ours async {mode}", "async"), r, tick)
         _penalties(asyncs, own, reps, res, tick)
-        readers: list[tuple[str, Callable[[], Any], list[Path]]] = [
-            ("raw O_DIRECT", lambda: raw.read(root / "raw.bin", 1), [root / "raw.bin"]),
-            (f"raw O_DIRECT x{cores * 2}", lambda: raw.read(root / "raw.bin", cores * 2), [root / "raw.bin"]),
-            ("torch.load", lambda: torch.load(root / "torch.pt", weights_only=True), [root / "torch.pt"]),
-            (f"DCP (threads={cores})", lambda: _dcp_load(dcp_state, root / "dcp"), [root / "dcp"]),
-            ("safetensors load_file", lambda: _st_load(root / "st.safetensors"), [root / "st.safetensors"]),
-            ("ours", lambda: ours.load_latest(), [root / "ours"]),
-            ("ours mmap", lambda: ours.load_latest(mmap=True), [root / "ours"]),
-        ]
         for r in range(reps):
             for name, fn, paths in readers:
                 info["cache"] = drop_cache(paths)
@@ -326,12 +329,13 @@ def _dcp_save(state: dict[str, Any], path: Path, threads: int) -> None:
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), thread_count=threads), no_dist=True)
 
 
-def _dcp_load(like: dict[str, Any], path: Path) -> Any:
+def _dcp_load(like: dict[str, Any], path: Path, *, into: bool = False) -> Any:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    # DCP loads into tensors the caller allocates; allocating them is part of a load.
-    target = {k: {n: torch.empty_like(t) for n, t in flatten(v).items()} for k, v in like.items()}
+    # DCP loads into tensors the caller allocates: into ``like``'s own, or into
+    # new ones, whose allocation is then part of the load.
+    target = {k: {n: t if into else torch.empty_like(t) for n, t in flatten(v).items()} for k, v in like.items()}
     dcp.load(target, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
     return target
 

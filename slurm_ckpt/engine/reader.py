@@ -10,6 +10,13 @@ first-touch page faults cost more than the reads themselves (1 GiB read at
 3.5 GB/s into memory already faulted in, 1.5 GB/s into fresh memory, 2.6 GB/s
 with the faults taken ahead; ``bench/profile_engine.py``).
 
+``into`` names tensors the caller already has (a model's parameters, say),
+by checkpoint key: a large CPU one is read straight into its own memory,
+``O_DIRECT`` where its address lines up with the file's pages as it did when
+saved, which is the usual case; nothing fresh is allocated, so no page has to
+be zeroed, and the caller needs no second copy of the state. Others (small,
+on a GPU, not contiguous) are copied in once the file is verified.
+
 ``use_mmap=True`` maps the file instead: tensors are zero-copy views of the
 page cache (copy-on-write, so changing them never changes the file). With
 ``verify=True`` every byte is still checksummed once, in parallel.
@@ -21,21 +28,22 @@ damaged header can never make a read land outside a tensor.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import math
 import mmap as _mmap
 import os
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import CheckpointCorrupt, storage_error
 from ..store.codec import torch_dtype
 from ..store.crc import crc32, crc32_combine, crc32_of_chunks
 from ..store.tensorfile import CHECKSUM, FileRecord, read_header
-from .buffers import ALIGN, address_of, huge_buffer, memory_view, populate
+from .buffers import ALIGN, address_of, huge_buffer, memory_view, pool, populate
 
 __all__ = ["read_tensor_file"]
 
@@ -49,8 +57,14 @@ def read_tensor_file(
     chunk: int = 8 << 20,
     use_mmap: bool = False,
     device: Any = None,
+    into: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every tensor of a safetensors-layout file, checked against ``expected``.
+
+    ``into``: tensors to load into, by key (see the module's docstring); the
+    result holds them. A dtype or shape that differs from the file's raises
+    ``ValueError`` before anything is read. On :class:`CheckpointCorrupt` those
+    read in place may hold part of the file.
 
     Raises :class:`CheckpointCorrupt` naming the file on a size, header or
     checksum mismatch, and :class:`StorageError` on an I/O error.
@@ -66,12 +80,15 @@ def read_tensor_file(
                 raise CheckpointCorrupt(f"{path}: size is {size}, manifest expects {expected.size}", path)
             raw, header = read_header(f, path, size)
             layout = _layout(path, header, size - len(raw))
+            targets = _targets(path, layout, into or {})
+            if targets and use_mmap:
+                raise ValueError("into= and mmap=True do not mix: mmap maps the file, into= reads into your tensors")
             with _suppress_unsupported():
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             if use_mmap:
                 out, crc = _map(f.fileno(), path, len(raw), size, layout, verify, threads, chunk)
             else:
-                out, crc = _read(f.fileno(), path, len(raw), layout, verify, threads, chunk)
+                out, crc = _read(f.fileno(), path, len(raw), layout, verify, threads, chunk, targets)
     except OSError as e:
         raise storage_error(e, "cannot read data file", path) from e
     if verify:
@@ -81,9 +98,34 @@ def read_tensor_file(
                 f"{path}: checksum mismatch: expected {CHECKSUM} {expected.checksum}, got {got:08x}",
                 path,
             )
+    for key, target in targets.items():
+        if out[key] is not target:  # not read in place: copied in only now that the file is verified
+            out[key] = target.copy_(out[key])
     if device is not None:
-        out = {k: t.to(device) for k, t in out.items()}
+        out = {k: t if k in targets else t.to(device) for k, t in out.items()}
     return out
+
+
+def _targets(path: Path, layout: list[_Entry], into: Mapping[str, Any]) -> dict[str, Any]:
+    """The tensors of ``into`` that the file holds, each checked against the file's dtype and shape."""
+    out: dict[str, Any] = {}
+    for key, dtype, shape, _, _ in layout:
+        t = into.get(key)
+        if t is None:
+            continue
+        if t.dtype != dtype or list(t.shape) != shape:
+            raise ValueError(
+                f"cannot load {key!r} of {path} into the tensor given for it: the file holds "
+                f"{dtype} {shape}, the tensor is {t.dtype} {list(t.shape)}; pass a matching state "
+                "or load without into="
+            )
+        out[key] = t
+    return out
+
+
+def _in_place(t: Any) -> bool:
+    """Whether the reader may write ``t``'s memory directly."""
+    return t.device.type == "cpu" and t.is_contiguous() and t.numel() * t.element_size() >= _BIG
 
 
 _Entry = tuple[str, Any, list[int], int, int]
@@ -140,25 +182,50 @@ def _regions(layout: list[_Entry], start: int) -> list[tuple[int, int, list[_Ent
     return out
 
 
-_Item = tuple[int, int, int, int, int]
-"""(file offset, length, address) of one aligned read, and the (offset, length) of
-the region bytes in it: what is checksummed, each file byte exactly once."""
+class _Item(NamedTuple):
+    """One read: ``[off, off + n)`` of the file into ``addr``, of which the bytes
+    ``[wb, wb + wn)`` are the file's own (checksummed, each file byte exactly once)."""
+
+    off: int
+    n: int
+    addr: int
+    wb: int
+    wn: int
+    exact: bool = False
+    """Place exactly ``[wb, wb + wn)`` at ``addr``: memory that is not ours, where an
+    aligned read would spill past the tensor or cannot line up. It is read aligned
+    into a bounce buffer and copied (through the page cache, its readahead would
+    fetch what the O_DIRECT reads fetch again)."""
 
 
 def _read(
-    fd: int, path: Path, start: int, layout: list[_Entry], verify: bool, threads: int, chunk: int
+    fd: int,
+    path: Path,
+    start: int,
+    layout: list[_Entry],
+    verify: bool,
+    threads: int,
+    chunk: int,
+    targets: dict[str, Any],
 ) -> tuple[dict[str, Any], int]:
     """Read into one storage per region with O_DIRECT: the disk writes straight into the
     tensors, with no page-cache copy. Regions are read over whole 4 KiB blocks, so a
     block shared by two regions is read twice; only the region's own bytes are checksummed.
-    Where O_DIRECT is refused, the same reads go through the page cache."""
+    Where O_DIRECT is refused, the same reads go through the page cache. Large
+    ``targets`` are regions of their own, read into the caller's memory."""
     import torch
 
     order = {e[0]: i for i, e in enumerate(layout)}
     out: dict[str, Any] = {}
     unaligned: list[tuple[str, Any, Any, list[int]]] = []
     items: list[_Item] = []
+    fresh: list[tuple[int, int]] = []
     for rb, re, entries in _regions(layout, start):
+        key = entries[0][0]
+        if len(entries) == 1 and key in targets and _in_place(targets[key]):
+            out[key] = targets[key]
+            items += _items_into(int(targets[key].data_ptr()), rb, re, chunk)
+            continue
         lo, hi = rb - rb % ALIGN, -(-re // ALIGN) * ALIGN
         store = _storage(hi - lo + ALIGN)
         pad = -store.data_ptr() % ALIGN
@@ -174,15 +241,19 @@ def _read(
             n = min(chunk, hi - off)
             wb, we = max(off, rb), min(off + n, re)
             if we > wb:
-                items.append((off, n, base + off - lo, wb, we - wb))
+                items.append(_Item(off, n, base + off - lo, wb, we - wb))
+                fresh.append((base + off - lo, n))
     dfd = _open_direct(path)
     direct = [dfd >= 0]
 
     def work(k: int) -> tuple[int, int]:
-        off, n, addr, wb, wn = items[k]
+        off, n, addr, wb, wn, exact = items[k]
         if direct[0]:
             try:
-                _read_exactly(dfd, path, memory_view(addr, n), off, wb + wn - off)
+                if exact:
+                    _read_through_bounce(dfd, path, addr, wb, wn, chunk)
+                else:
+                    _read_exactly(dfd, path, memory_view(addr, n), off, wb + wn - off)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
@@ -195,7 +266,7 @@ def _read(
     # Fresh memory costs a page fault per page on first touch, which the read
     # threads would otherwise take inside each read before the device starts;
     # faulting ahead of them on one more thread overlaps that with the I/O.
-    ahead = threading.Thread(target=_fault_in, args=([(i[2], i[1]) for i in items], stop), daemon=True)
+    ahead = threading.Thread(target=_fault_in, args=(fresh, stop), daemon=True)
     ahead.start()
     try:
         crc = crc32_of_chunks(_parallel(len(items), work, threads))
@@ -208,6 +279,43 @@ def _read(
         # A writer that did not align offsets to the dtype (ours always does).
         out[key] = raw.clone().view(dtype).reshape(shape)
     return dict(sorted(out.items(), key=lambda kv: order[kv[0]])), crc
+
+
+def _items_into(addr: int, rb: int, re: int, chunk: int) -> list[_Item]:
+    """Reads of the file bytes ``[rb, re)`` into the caller's memory at ``addr``.
+
+    Where the memory's offset within a page matches the file's (as when the
+    tensor was saved from an allocation like it), the whole pages in the middle
+    are read straight into it, and only the partial pages at the two ends go
+    through a bounce buffer; otherwise all of it does. Nothing is ever written
+    outside ``[addr, addr + re - rb)``.
+    """
+    lo, hi = -(-rb // ALIGN) * ALIGN, re // ALIGN * ALIGN
+    if (addr - rb) % ALIGN or hi <= lo:
+        lo = hi = rb  # nothing lines up: all of it through a bounce buffer
+    items: list[_Item] = []
+
+    def span(a: int, b: int, exact: bool) -> None:
+        for o in range(a, b, chunk):
+            m = min(chunk, b - o)
+            items.append(_Item(o, m, addr + o - rb, o, m, exact))
+
+    span(rb, lo, True)
+    span(lo, hi, False)
+    span(hi, re, True)
+    return items
+
+
+def _read_through_bounce(dfd: int, path: Path, addr: int, wb: int, wn: int, chunk: int) -> None:
+    """Read the file bytes ``[wb, wb + wn)`` (at most ``chunk``) to ``addr`` with aligned reads."""
+    a0, a1 = wb - wb % ALIGN, -(-(wb + wn) // ALIGN) * ALIGN
+    buf = pool.acquire(chunk + 2 * ALIGN)
+    try:
+        base = address_of(buf)
+        _read_exactly(dfd, path, memory_view(base, a1 - a0), a0, wb + wn - a0)
+        ctypes.memmove(addr, base + wb - a0, wn)
+    finally:
+        pool.release(buf)
 
 
 _HUGE_STORAGE = 4 << 20

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
-import mmap
+import mmap as mmap_module
 import os
 import struct
 import zlib
@@ -413,7 +413,7 @@ def _mapped_kib(lo: int, hi: int, field: str) -> int:
 def _kernel_aligns_huge_mappings() -> bool:
     # Linux 6.7+ puts an anonymous private mapping that is a whole number of
     # huge pages long on a huge-page boundary; older kernels may not.
-    mm = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mm = mmap_module.mmap(-1, 4 << 20, flags=mmap_module.MAP_PRIVATE | mmap_module.MAP_ANONYMOUS)
     try:
         from slurm_ckpt.engine.buffers import address_of
 
@@ -476,3 +476,111 @@ def test_fast_crc32_is_zlibs_crc32() -> None:
         view = memoryview(data)[lo:hi]
         assert crc.crc32(view) == zlib.crc32(view)
         assert crc.crc32(view, 0xDEADBEEF) == zlib.crc32(view, 0xDEADBEEF)
+
+
+def _guarded(nbytes: int, at: int) -> tuple[Any, Any]:
+    """A float32 view of ``nbytes`` at byte ``at`` of a page-aligned buffer filled with
+    a sentinel (0xA5): the bytes around the view show any write that strays out of it."""
+    from slurm_ckpt.engine.buffers import aligned_buffer
+
+    mem = aligned_buffer(at + nbytes + 3 * 4096)
+    raw = torch.frombuffer(mem, dtype=torch.uint8)
+    raw.fill_(0xA5)
+    return raw, raw[at : at + nbytes].view(torch.float32)
+
+
+@pytest.mark.parametrize(("at", "chunk"), [(64, 1 << 20), (64, 8192), (100, 1 << 20), (4096, 1 << 20)])
+def test_into_reads_straight_into_the_callers_tensors_and_nowhere_else(
+    tmp_path: Path, at: int, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slurm_ckpt.engine import reader
+    # Saved from memory 64 bytes past a page (as glibc places large tensors), so the
+    # file's data sits at that phase. A target at the same phase is read with O_DIRECT
+    # in place; at another phase (100, 4096) all of it goes through a bounce buffer.
+    n = (3 << 20) + 12  # not a whole number of pages: both ends are partial
+    _, src = _guarded(n, 64)
+    src.copy_(torch.randn(n // 4))
+    state = {"w": src, "b": torch.randn(7), "h": torch.randn(3, 5).to(torch.float16)}
+    enc = encode_state(state)
+    path = tmp_path / "x.safetensors"
+    rec = write_image(path, plan_file(enc.tensors))
+    raw, w = _guarded(n, at)
+    small = torch.zeros(7)
+    fresh: list[int] = []
+    real_storage = reader._storage
+    monkeypatch.setattr(reader, "_storage", lambda nbytes: fresh.append(nbytes) or real_storage(nbytes))
+    got = read_tensor_file(path, rec, into={"w": w, "b": small}, chunk=chunk)
+    assert max(fresh) < 1 << 20  # only the small tensors' run got memory of its own
+    assert got["w"] is w and got["b"] is small
+    assert w.data_ptr() == raw.data_ptr() + at
+    assert_same(got, {"w": src, "b": state["b"], "h": state["h"]})
+    assert bool((raw[:at] == 0xA5).all()) and bool((raw[at + n :] == 0xA5).all())
+
+
+def test_into_splits_the_bytes_exactly_once_in_file_order() -> None:
+    from slurm_ckpt.engine.reader import _items_into
+
+    for addr, rb, re, direct in [(64, 64, (3 << 20) + 76, (3 << 20) - 4096), (100, 64, 9000, 0), (4096, 4096, 8192, 4096),
+                                 (64, 64, 100, 0)]:  # fmt: skip
+        items = _items_into(addr, rb, re, 8192)
+        assert sum(i.n for i in items if not i.exact) == direct
+        assert [(i.wb, i.wn) for i in items] == [(i.off, i.n) for i in items]
+        covered = [b for i in items for b in range(i.wb, i.wb + i.wn, 4)]
+        assert covered == list(range(rb, re, 4))
+        for i in items:
+            assert i.addr == addr + i.wb - rb
+            if not i.exact:  # O_DIRECT: memory and file offset both page-aligned
+                assert i.addr % 4096 == 0 and i.off % 4096 == 0 and i.n % 4096 == 0
+
+
+def test_into_refuses_a_different_shape_or_dtype_before_touching_anything(tmp_path: Path) -> None:
+    src = torch.randn(1 << 18)
+    path = tmp_path / "x.safetensors"
+    rec = write_image(path, plan_file(encode_state({"w": src}).tensors))
+    for wrong in (torch.zeros(1 << 17), torch.zeros(1 << 18, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="pass a matching state"):
+            read_tensor_file(path, rec, into={"w": wrong})
+        assert not wrong.any()
+    with pytest.raises(ValueError, match="do not mix"):
+        read_tensor_file(path, rec, into={"w": torch.zeros(1 << 18)}, use_mmap=True)
+
+
+def test_into_a_corrupt_file_is_caught_and_the_small_targets_stay_untouched(tmp_path: Path) -> None:
+    state = {"w": torch.randn(1 << 20), "b": torch.randn(9)}
+    path = tmp_path / "x.safetensors"
+    rec = write_image(path, plan_file(encode_state(state).tensors))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    small = torch.zeros(9)
+    with pytest.raises(CheckpointCorrupt, match="checksum mismatch"):
+        read_tensor_file(path, rec, into={"w": torch.zeros(1 << 20), "b": small})
+    assert not small.any()  # copied in only after the whole file is verified
+
+
+def test_load_latest_into_a_models_state_dict_updates_the_model_in_place(tmp_path: Path) -> None:
+    from slurm_ckpt import Checkpointer
+
+    torch.manual_seed(0)
+    saved = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))  # 2 MiB weights
+    with Checkpointer(tmp_path / "run", keep=2) as ck:
+        ck.save({"model": saved.state_dict(), "step": 1}, step=1)
+        with torch.no_grad():
+            for p in saved.parameters():
+                p.mul_(2)
+        ck.save({"model": saved.state_dict(), "step": 2}, step=2)
+        fresh = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
+        ptrs = [p.data_ptr() for p in fresh.parameters()]
+        state = ck.load_latest(into={"model": fresh.state_dict()})
+        assert state["step"] == 2 and [p.data_ptr() for p in fresh.parameters()] == ptrs
+        for a, b in zip(fresh.parameters(), saved.parameters(), strict=True):
+            assert torch.equal(a, b)
+        # A damaged newest checkpoint: the older one is loaded over what was read of it.
+        data = tmp_path / "run" / "step-000000002" / "tensors-00000.safetensors"
+        raw = bytearray(data.read_bytes())
+        raw[-100] ^= 0x01
+        data.write_bytes(bytes(raw))
+        state = ck.load_latest(into={"model": fresh.state_dict()})
+        assert state["step"] == 1 and ck.loaded_step == 1
+        for a, b in zip(fresh.parameters(), saved.parameters(), strict=True):
+            assert torch.equal(a * 2, b)
