@@ -43,7 +43,7 @@ from ..errors import CheckpointCorrupt, storage_error
 from ..store.codec import torch_dtype
 from ..store.crc import crc32, crc32_combine, crc32_of_chunks
 from ..store.tensorfile import CHECKSUM, FileRecord, read_header
-from .buffers import ALIGN, address_of, huge_buffer, memory_view, pool, populate
+from .buffers import _HUGE, ALIGN, address_of, huge_buffer, memory_view, pool, populate
 
 __all__ = ["read_tensor_file"]
 
@@ -285,14 +285,21 @@ def _items_into(addr: int, rb: int, re: int, chunk: int) -> list[_Item]:
     """Reads of the file bytes ``[rb, re)`` into the caller's memory at ``addr``.
 
     Where the memory's offset within a page matches the file's (as when the
-    tensor was saved from an allocation like it), the whole pages in the middle
-    are read straight into it, and only the partial pages at the two ends go
-    through a bounce buffer; otherwise all of it does. Nothing is ever written
+    tensor was saved from an allocation like it), its whole 2 MiB pages (else
+    its whole 4 KiB pages) are read straight into it, and only the bytes at the
+    two ends go through a bounce buffer; otherwise all of it does. Nothing is ever written
     outside ``[addr, addr + re - rb)``.
     """
     lo, hi = -(-rb // ALIGN) * ALIGN, re // ALIGN * ALIGN
     if (addr - rb) % ALIGN or hi <= lo:
         lo = hi = rb  # nothing lines up: all of it through a bounce buffer
+    else:
+        # Only the 2 MiB-aligned stretch of an allocation can be huge pages (torch's
+        # are not aligned to 2 MiB), and a read into 4 KiB pages is cut into requests
+        # at the disk's segment limit: the rest is cheaper through a bounce buffer.
+        h0, h1 = -(-(addr + lo - rb) // _HUGE) * _HUGE, (addr + hi - rb) // _HUGE * _HUGE
+        if h1 > h0:
+            lo, hi = h0 - addr + rb, h1 - addr + rb
     items: list[_Item] = []
 
     def span(a: int, b: int, exact: bool) -> None:

@@ -489,15 +489,18 @@ def _guarded(nbytes: int, at: int) -> tuple[Any, Any]:
     return raw, raw[at : at + nbytes].view(torch.float32)
 
 
-@pytest.mark.parametrize(("at", "chunk"), [(64, 1 << 20), (64, 8192), (100, 1 << 20), (4096, 1 << 20)])
+@pytest.mark.parametrize(("at", "chunk", "n"), [(64, 1 << 20, (3 << 20) + 12), (64, 8192, (3 << 20) + 12),
+                                              (100, 1 << 20, (3 << 20) + 12), (4096, 1 << 20, (3 << 20) + 12),
+                                              (64, 1 << 20, (8 << 20) + 12)])  # fmt: skip
 def test_into_reads_straight_into_the_callers_tensors_and_nowhere_else(
-    tmp_path: Path, at: int, chunk: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, at: int, chunk: int, n: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from slurm_ckpt.engine import reader
     # Saved from memory 64 bytes past a page (as glibc places large tensors), so the
     # file's data sits at that phase. A target at the same phase is read with O_DIRECT
     # in place; at another phase (100, 4096) all of it goes through a bounce buffer.
-    n = (3 << 20) + 12  # not a whole number of pages: both ends are partial
+    # ``n`` is not a whole number of pages: both ends are partial; 8 MiB holds whole
+    # huge pages, the only part then read in place.
     _, src = _guarded(n, 64)
     src.copy_(torch.randn(n // 4))
     state = {"w": src, "b": torch.randn(7), "h": torch.randn(3, 5).to(torch.float16)}
@@ -520,8 +523,10 @@ def test_into_reads_straight_into_the_callers_tensors_and_nowhere_else(
 def test_into_splits_the_bytes_exactly_once_in_file_order() -> None:
     from slurm_ckpt.engine.reader import _items_into
 
+    # Memory 64 bytes past a page: whole pages in place; with whole 2 MiB pages in
+    # it, only those (the rest of an allocation cannot be huge pages).
     for addr, rb, re, direct in [(64, 64, (3 << 20) + 76, (3 << 20) - 4096), (100, 64, 9000, 0), (4096, 4096, 8192, 4096),
-                                 (64, 64, 100, 0)]:  # fmt: skip
+                                 (64, 64, 100, 0), (64, 64, (8 << 20) + 64, 6 << 20)]:  # fmt: skip
         items = _items_into(addr, rb, re, 8192)
         assert sum(i.n for i in items if not i.exact) == direct
         assert [(i.wb, i.wn) for i in items] == [(i.off, i.n) for i in items]
@@ -531,6 +536,7 @@ def test_into_splits_the_bytes_exactly_once_in_file_order() -> None:
             assert i.addr == addr + i.wb - rb
             if not i.exact:  # O_DIRECT: memory and file offset both page-aligned
                 assert i.addr % 4096 == 0 and i.off % 4096 == 0 and i.n % 4096 == 0
+                assert direct < (4 << 20) or (i.addr - (2 << 20)) // (6 << 20) == 0  # inside [2 MiB, 8 MiB)
 
 
 def test_into_refuses_a_different_shape_or_dtype_before_touching_anything(tmp_path: Path) -> None:
