@@ -13,31 +13,21 @@ page owes an unshare fault, which the next O_DIRECT save would otherwise pay).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-import shutil
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from slurm_ckpt import Checkpointer
-from slurm_ckpt.config import load_config, parse_size
-from slurm_ckpt.engine.bench import _remove_steps, _training_step, synthetic_state
+from slurm_ckpt.config import load_config
+from slurm_ckpt.engine.bench import _remove_steps, _training_step, script_finish, script_state
 from slurm_ckpt.engine.layout import plan_file
 from slurm_ckpt.store.codec import encode_state
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--size", default="1G")
-    ap.add_argument("--dir", type=Path, required=True)
-    ap.add_argument("--reps", type=int, default=7)
-    args = ap.parse_args()
-    root = args.dir / "fork-stall"
-    shutil.rmtree(root, ignore_errors=True)
-    state = synthetic_state(parse_size(args.size))
+    args, root, state = script_state("fork-stall", reps=7)
     cfg = load_config()
     ck = {mode: Checkpointer(root / mode, keep=1000, distributed=False,
                              config=dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, snapshot=mode)))
@@ -68,15 +58,10 @@ def main() -> None:
                   lambda c=c, mode=mode, r=r, h=handles: h.__setitem__(mode, c.save_async(state, r + 1)))  # fmt: skip
             handles[mode].wait()
         timed("save (sync, durable)", lambda r=r: ck["copy"].save(state, 1000 + r))
-    sync = statistics.median(times["save (sync, durable)"])
     rss = int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) >> 10
     print(f"state {args.size}, process RSS {rss} MiB, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '')}, "
           f"{args.reps} reps, medians")  # fmt: skip
-    for name, v in times.items():
-        print(f"  {name:<32} {statistics.median(v) * 1e3:8.1f} ms  x {statistics.median(v) / sync:.3f} of the sync save")
-    for c in ck.values():
-        c.close()
-    shutil.rmtree(root, ignore_errors=True)
+    script_finish(times, "save (sync, durable)", "of the sync save", ck.values(), root)
 
 
 if __name__ == "__main__":

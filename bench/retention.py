@@ -17,29 +17,18 @@ running beside a save slows it as much as one inside it.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import statistics
 import time
-from pathlib import Path
 
 from slurm_ckpt import Checkpointer
-from slurm_ckpt.config import parse_size
-from slurm_ckpt.engine.bench import _training_step, synthetic_state
+from slurm_ckpt.engine.bench import _training_step, script_finish, script_state
 from slurm_ckpt.store.layout import step_dir
 from slurm_ckpt.store.retention import apply_retention, reaped
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--size", default="1G")
-    ap.add_argument("--dir", type=Path, required=True)
-    ap.add_argument("--reps", type=int, default=5)
-    args = ap.parse_args()
-    root = args.dir / "retention"
-    shutil.rmtree(root, ignore_errors=True)
-    state = synthetic_state(parse_size(args.size))
+    args, root, state = script_state("retention", reps=5)
     ck = {"none": Checkpointer(root / "none", keep=1000, distributed=False),
           "inline": Checkpointer(root / "inline", keep=1000, distributed=False),
           "deferred": Checkpointer(root / "deferred", keep=1, distributed=False)}  # fmt: skip
@@ -60,14 +49,8 @@ def main() -> None:
             if name == "deferred":
                 reaped()
                 times.setdefault("deferred, until the reaper is done", []).append(time.perf_counter() - t0)
-    base = statistics.median(times["none"])
     print(f"state {args.size}, {args.reps} reps interleaved, medians, dir {args.dir}")
-    for name, v in times.items():
-        m = statistics.median(v)
-        print(f"  {name:<36} {m * 1e3:8.1f} ms  x {m / base:.2f} of a save that deletes nothing")
-    for c in ck.values():
-        c.close()
-    shutil.rmtree(root, ignore_errors=True)
+    script_finish(times, "none", "of a save that deletes nothing", ck.values(), root)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,34 @@ def synthetic_state(nbytes: int) -> dict[str, Any]:
     return {"model": model, "optim": {"state": opt_state, "param_groups": groups}, "step": 100}
 
 
+def script_state(sub: str, reps: int) -> tuple[Any, Path, dict[str, Any]]:
+    """For a script in ``bench/``: its arguments (``--size``, ``--dir``, ``--reps``), a
+    fresh ``sub`` dir under ``--dir``, and a synthetic state of ``--size``."""
+    import argparse
+
+    from ..config import parse_size
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="1G")
+    ap.add_argument("--dir", type=Path, required=True)
+    ap.add_argument("--reps", type=int, default=reps)
+    args = ap.parse_args()
+    root = args.dir / sub
+    shutil.rmtree(root, ignore_errors=True)
+    return args, root, synthetic_state(parse_size(args.size))
+
+
+def script_finish(times: dict[str, list[float]], base: str, of: str, checkpointers: Any, root: Path) -> None:
+    """For a script in ``bench/``: print each median in ms and as a ratio to ``base``'s, then clean up."""
+    ref = statistics.median(times[base])
+    for name, v in times.items():
+        m = statistics.median(v)
+        print(f"  {name:<36} {m * 1e3:8.1f} ms  x {m / ref:.3f} {of}")
+    for c in checkpointers:
+        c.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def small_state(count: int = 10_000, numel: int = 256) -> dict[str, Any]:
     """``count`` small tensors: the case where per-tensor overheads dominate."""
     import torch
