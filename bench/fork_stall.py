@@ -3,10 +3,10 @@
     THP_MEM_ALLOC_ENABLE=1 python bench/fork_stall.py --dir /path/on/the/disk [--size 1G]
 
 ``slurm-ckpt bench`` measures every snapshot mode in one process that also
-holds a clone of the state, staging and raw buffers: several GiB more than a
-trainer, and fork() copies the page tables of all of it. This script holds
-only the state, and splits ``save_async`` in fork mode into its parts: the
-bare fork(), encoding and planning the state, and the rest. Between saves it
+holds staging and raw buffers (huge pages, whose page tables cost fork() little).
+This script holds only the state and one staging buffer, and splits
+``save_async`` in fork mode into its parts: the bare fork(), encoding and
+planning the state, and the rest. Between saves it
 writes the whole state in place, as a training step would (after a fork every
 page owes an unshare fault, which the next O_DIRECT save would otherwise pay).
 """

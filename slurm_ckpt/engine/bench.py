@@ -273,10 +273,6 @@ def run_bench(
         ("ours sync", lambda: ours.save(state, 1), root / "ours" / "step-000000001"),
     ]
     asyncs = {mode: ckpt(f"async-{mode}", mode) for mode in ("auto", "copy", "fork", "lazy")}
-    # fork gets a copy of the state of its own, so the copy-on-write faults of
-    # its penalty runs land on that copy; the unshare faults every page of the
-    # process owes after a fork are paid by _training_step, outside the timing.
-    own = {mode: _clone(state) if mode == "fork" else state for mode in asyncs}
     readers: list[tuple[str, Callable[[], Any], list[Path]]] = [
         ("raw O_DIRECT", lambda: raw.read(root / "raw.bin", 1), [root / "raw.bin"]),
         (f"raw O_DIRECT x{cores * 2}", lambda: raw.read(root / "raw.bin", cores * 2), [root / "raw.bin"]),
@@ -308,9 +304,11 @@ def run_bench(
                 res(name, "write").times.append(secs)
                 tick("write", name, r, secs, nbytes)
             for mode, ck in asyncs.items():
-                _training_step(own[mode])
-                _async_run(ck, own[mode], mode, res(f"ours async {mode}", "async"), r, tick)
-        _penalties(asyncs, own, reps, res, tick)
+                # After a fork every page of the process owes an unshare fault:
+                # _training_step pays them, outside the timing, as it does for every method.
+                _training_step(state)
+                _async_run(ck, state, mode, res(f"ours async {mode}", "async"), r, tick)
+        _penalties(asyncs, state, reps, res, tick)
         for r in range(reps):
             for name, fn, paths in readers:
                 info["cache"] = drop_cache(paths)
@@ -423,11 +421,19 @@ def _clone(state: Any) -> Any:
     return state.clone() if hasattr(state, "clone") else state
 
 
-def _penalties(asyncs: dict[str, Any], own: dict[str, Any], reps: int,
+def _penalties(asyncs: dict[str, Any], state: Any, reps: int,
                res: Callable[..., Result], tick: Callable[..., None]) -> None:  # fmt: skip
     """Extra time of an in-place update of the whole state right after save_async
     returns, compared with the same update with nothing in flight: what copy-on-write
-    (fork) costs the trainer later, and what a lazy fence costs."""
+    (fork) costs the trainer later, and what a lazy fence costs.
+
+    fork's runs update a copy of the state made here, after the stall was measured:
+    writing a page its child still shares splits the huge page that holds it,
+    which would slow every later method that reads the state. The copy exists
+    only now, so the stall was measured in a process holding one state, as a
+    trainer does (fork copies the page tables of everything the process holds).
+    """
+    own = {mode: _clone(state) if mode == "fork" else state for mode in asyncs}
 
     def update(state: Any) -> float:
         t0 = time.perf_counter()
