@@ -346,7 +346,8 @@ class Checkpointer:
         memory: no second copy of the state, no fresh memory. A tensor whose dtype
         or shape differs raises ``ValueError``; one that is missing is loaded into
         fresh memory. If a checkpoint fails its checksum, tensors already read
-        hold part of it until an older checkpoint is loaded over them.
+        hold part of it until an older checkpoint is loaded over them (and if no
+        valid one is left, this returns None and they keep what was read).
         """
         self._check_open()
 

@@ -24,7 +24,7 @@ import statistics
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +101,7 @@ def script_state(sub: str, reps: int) -> tuple[Any, Path, dict[str, Any]]:
     return args, root, synthetic_state(parse_size(args.size))
 
 
-def script_finish(times: dict[str, list[float]], base: str, of: str, checkpointers: Any, root: Path) -> None:
+def script_finish(times: dict[str, list[float]], base: str, of: str, checkpointers: Iterable[Any], root: Path) -> None:
     """For a script in ``bench/``: print each median in ms and as a ratio to ``base``'s, then clean up."""
     ref = statistics.median(times[base])
     for name, v in times.items():

@@ -25,11 +25,12 @@ import mmap
 import os
 import threading
 
-__all__ = ["ALIGN", "BouncePool", "address_of", "aligned_buffer", "huge_buffer", "memory_view", "pool",
+__all__ = ["ALIGN", "HUGE", "BouncePool", "address_of", "aligned_buffer", "huge_buffer", "memory_view", "pool",
            "populate"]  # fmt: skip
 
 ALIGN = 4096
-_HUGE = 2 << 20
+HUGE = 2 << 20
+"""A transparent huge page (x86-64 and most arm64 kernels)."""
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -50,8 +51,8 @@ def huge_buffer(nbytes: int, *, huge: bool = True) -> mmap.mmap:
     n = _pages(nbytes)
     length = _length(nbytes, huge)
     mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge and length >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        whole = n // _HUGE * _HUGE
+    if huge and length >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        whole = n // HUGE * HUGE
         # THP compiled out or disabled: 4 KiB pages, still correct.
         with contextlib.suppress(OSError):
             mm.madvise(mmap.MADV_HUGEPAGE, 0, whole)
@@ -67,9 +68,9 @@ def _pages(nbytes: int) -> int:
 def _length(nbytes: int, huge: bool = True) -> int:
     """How long :func:`huge_buffer` maps a buffer of ``nbytes``."""
     n = _pages(nbytes)
-    if not huge or n < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not huge or n < HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return n
-    return -(-n // _HUGE) * _HUGE
+    return -(-n // HUGE) * HUGE
 
 
 def populate(addr: int, nbytes: int) -> bool:

@@ -43,7 +43,7 @@ from ..errors import CheckpointCorrupt, storage_error
 from ..store.codec import torch_dtype
 from ..store.crc import crc32, crc32_combine, crc32_of_chunks
 from ..store.tensorfile import CHECKSUM, FileRecord, read_header
-from .buffers import _HUGE, ALIGN, address_of, huge_buffer, memory_view, pool, populate
+from .buffers import ALIGN, HUGE, address_of, huge_buffer, memory_view, pool, populate
 
 __all__ = ["read_tensor_file"]
 
@@ -194,8 +194,8 @@ class _Item(NamedTuple):
     exact: bool = False
     """Place exactly ``[wb, wb + wn)`` at ``addr``: memory that is not ours, where an
     aligned read would spill past the tensor or cannot line up. It is read aligned
-    into a bounce buffer and copied (through the page cache, its readahead would
-    fetch what the O_DIRECT reads fetch again)."""
+    into a bounce buffer and copied; not through the page cache, whose readahead
+    would fetch again what the O_DIRECT reads fetch."""
 
 
 def _read(
@@ -287,8 +287,8 @@ def _items_into(addr: int, rb: int, re: int, chunk: int) -> list[_Item]:
     Where the memory's offset within a page matches the file's (as when the
     tensor was saved from an allocation like it), its whole 2 MiB pages (else
     its whole 4 KiB pages) are read straight into it, and only the bytes at the
-    two ends go through a bounce buffer; otherwise all of it does. Nothing is ever written
-    outside ``[addr, addr + re - rb)``.
+    two ends go through a bounce buffer; otherwise all of it does. Nothing is
+    ever written outside ``[addr, addr + re - rb)``.
     """
     lo, hi = -(-rb // ALIGN) * ALIGN, re // ALIGN * ALIGN
     if (addr - rb) % ALIGN or hi <= lo:
@@ -297,7 +297,7 @@ def _items_into(addr: int, rb: int, re: int, chunk: int) -> list[_Item]:
         # Only the 2 MiB-aligned stretch of an allocation can be huge pages (torch's
         # are not aligned to 2 MiB), and a read into 4 KiB pages is cut into requests
         # at the disk's segment limit: the rest is cheaper through a bounce buffer.
-        h0, h1 = -(-(addr + lo - rb) // _HUGE) * _HUGE, (addr + hi - rb) // _HUGE * _HUGE
+        h0, h1 = -(-(addr + lo - rb) // HUGE) * HUGE, (addr + hi - rb) // HUGE * HUGE
         if h1 > h0:
             lo, hi = h0 - addr + rb, h1 - addr + rb
     items: list[_Item] = []
