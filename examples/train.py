@@ -89,9 +89,10 @@ def main() -> int:
 
     ckpt = Checkpointer()
     start = 0
-    state = ckpt.load_latest()
+    # into=: the model's own tensors are filled in place, so a resume holds no
+    # second copy of them (a fresh optimizer has no state yet to fill).
+    state = ckpt.load_latest(into={"model": model.state_dict()})
     if state is not None:
-        model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         start = int(state["step"])
         say(f"resumed from step {start} ({ckpt.loaded_path})")
