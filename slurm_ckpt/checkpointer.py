@@ -343,9 +343,10 @@ class Checkpointer:
         ``into``: a state shaped like the saved one, e.g. ``{"model":
         model.state_dict(), ...}``; its tensors are loaded into in place, and the
         returned state holds them. Large CPU tensors are read straight into their
-        memory: no second copy of the state, no fresh memory. A tensor whose dtype
-        or shape differs raises ``ValueError``; one that is missing is loaded into
-        fresh memory. If a checkpoint fails its checksum, tensors already read
+        memory: no second copy of the state, no fresh memory. A tensor of ``into``
+        that the checkpoint lacks, or whose dtype or shape differs, raises
+        ``ValueError`` before anything is read; a checkpoint tensor that ``into``
+        lacks is loaded into fresh memory. If a checkpoint fails its checksum, tensors already read
         hold part of it until an older checkpoint is loaded over them (and if no
         valid one is left, this returns None and they keep what was read).
         """

@@ -189,6 +189,15 @@ class Engine:
         if into is not None:
             with gc_paused():
                 targets = {e.key: e.tensor for e in encode_state(into, allow_pickle=True, prepare=_keep).tensors}
+            # A tensor that matches nothing would silently keep its old values, and a
+            # trainer that relies on into= would train on from them: refuse up front.
+            missing = sorted(set(targets) - set(man.tensors))
+            if missing:
+                raise ValueError(
+                    f"into= holds {len(missing)} tensor(s) that {ckpt} does not, e.g. {missing[0]!r}: "
+                    "pass a state shaped like the saved one (saved as {'model': model.state_dict(), ...}, "
+                    "load with into={'model': model.state_dict()})"
+                )
         read = functools.partial(read_tensor_file, threads=self.threads, chunk=self.cfg.chunk_size, use_mmap=mmap,
                                  into=targets)  # fmt: skip
         with gc_paused():

@@ -577,6 +577,8 @@ def test_load_latest_into_a_models_state_dict_updates_the_model_in_place(tmp_pat
         ck.save({"model": saved.state_dict(), "step": 2}, step=2)
         fresh = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
         ptrs = [p.data_ptr() for p in fresh.parameters()]
+        with pytest.raises(ValueError, match="shaped like the saved one"):
+            ck.load_latest(into=fresh.state_dict())  # not nested as saved: nothing would match
         state = ck.load_latest(into={"model": fresh.state_dict()})
         assert state["step"] == 2 and [p.data_ptr() for p in fresh.parameters()] == ptrs
         for a, b in zip(fresh.parameters(), saved.parameters(), strict=True):
