@@ -157,7 +157,17 @@ class _Reaper:
 _reaper = _Reaper()
 # The parent's thread is not in a forked child; its queue is the parent's to finish.
 os.register_at_fork(after_in_child=_reaper._reset)
-atexit.register(_reaper.wait)
+
+EXIT_WAIT = 60.0
+"""Seconds an exiting process waits for the deletes retention queued."""
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    # A normal exit finishes the deletes; a filesystem that hangs must not hang
+    # the exit: what is left is a temp dir that the next writer removes.
+    if not _reaper.wait(EXIT_WAIT):
+        log.warning("exiting with old checkpoints still being deleted: %s", ", ".join(map(str, _reaper.pending())))
 
 
 def reaped(timeout: float | None = None) -> bool:

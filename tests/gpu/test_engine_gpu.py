@@ -99,3 +99,18 @@ def test_sync_save_of_cuda_state_and_load_to_cuda(tmp_path: Path) -> None:
         got = ck.load_latest(map_location="cuda")
     assert got["model"]["w1"].device.type == "cuda"
     same(got, state)
+
+
+def test_load_into_cuda_tensors_fills_them_in_place(tmp_path: Path) -> None:
+    state = gpu_state(3)
+    want = to_cpu(state)
+    with Checkpointer(tmp_path, config=config(), distributed=False) as ck:
+        ck.save(state, step=3)
+        target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+                  "half": torch.zeros_like(state["half"])}  # fmt: skip
+        ptrs = {k: v.data_ptr() for k, v in target["model"].items()}
+        got = ck.load_latest(into=target)
+    same(got, want)
+    for k, v in target["model"].items():
+        assert v.is_cuda and v.data_ptr() == ptrs[k] and got["model"][k] is v
+    assert torch.equal(target["half"].cpu(), want["half"])

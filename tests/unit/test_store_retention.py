@@ -166,3 +166,27 @@ def test_a_delete_left_by_a_killed_trainer_is_finished_by_the_next_writer(run_di
         ck.wait()
     assert steps(run_dir) == [3]
     assert not [n for n in os.listdir(run_dir) if n.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize("hang", [False, True])
+def test_exit_finishes_queued_deletes_but_never_hangs_on_them(run_dir: Path, hang: bool) -> None:
+    import subprocess
+    import sys
+
+    save_steps(run_dir, [1, 2])
+    code = (
+        "import sys, threading; from pathlib import Path; from slurm_ckpt.store import retention\n"
+        "if sys.argv[2] == 'hang':\n"
+        "    retention.EXIT_WAIT = 0.5\n"
+        "    retention.remove_tree = lambda path: threading.Event().wait()  # a filesystem that never answers\n"
+        "retention.discard_checkpoint(Path(sys.argv[1]), later=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(run_dir / "step-000000001"), "hang" if hang else "-"],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    trash = [n for n in os.listdir(run_dir) if n.startswith(".tmp-step-000000001-")]
+    assert steps(run_dir) == [2]
+    if hang:
+        assert len(trash) == 1 and "still being deleted" in proc.stderr
+    else:
+        assert trash == [] and proc.stderr == ""
