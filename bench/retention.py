@@ -2,13 +2,15 @@
 
     THP_MEM_ALLOC_ENABLE=1 python bench/retention.py --dir /path/on/the/disk [--size 1G]
 
-Three run dirs saved interleaved, each save of a whole state (medians):
+Four run dirs saved interleaved, each save of a whole state (medians):
 
 none      keep=1000, the old step removed outside the timing (the bench's setting)
 inline    keep=1000, then retention deleting the old step before the save returns
           (what ``save()`` did before deletes moved to the background)
-deferred  keep=1: ``save()`` as it is, the delete on the reaper thread; the time
-          until the reaper is done is shown apart, as the trainer would not wait
+beside    keep=1000, the old step deleted on another thread while the save runs
+deferred  keep=1: ``save()`` as it is, the delete on the reaper thread once the
+          save has committed; the time until the reaper is done is shown apart,
+          as the trainer would not wait
 
 On a filesystem that discards freed blocks (ext4 ``-o discard``), the delete's
 cost is in the journal commit that frees them, which any fsync forces: a delete
@@ -19,18 +21,20 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 
 from slurm_ckpt import Checkpointer
 from slurm_ckpt.engine.bench import _training_step, script_finish, script_state
 from slurm_ckpt.store.layout import step_dir
-from slurm_ckpt.store.retention import apply_retention, reaped
+from slurm_ckpt.store.retention import apply_retention, discard_checkpoint, reaped
 
 
 def main() -> None:
     args, root, state = script_state("retention", reps=5)
     ck = {"none": Checkpointer(root / "none", keep=1000, distributed=False),
           "inline": Checkpointer(root / "inline", keep=1000, distributed=False),
+          "beside": Checkpointer(root / "beside", keep=1000, distributed=False),
           "deferred": Checkpointer(root / "deferred", keep=1, distributed=False)}  # fmt: skip
     for c in ck.values():
         c.save(state, 0)
@@ -41,11 +45,16 @@ def main() -> None:
                 shutil.rmtree(step_dir(c.dir, step - 1), ignore_errors=True)
             _training_step(state)
             os.sync()
+            delete = threading.Thread(target=discard_checkpoint, args=(step_dir(c.dir, step - 1),))
             t0 = time.perf_counter()
+            if name == "beside":
+                delete.start()
             c.save(state, step)
             if name == "inline":
                 apply_retention(c.dir, 1)
             times.setdefault(name, []).append(time.perf_counter() - t0)
+            if name == "beside":
+                delete.join()
             if name == "deferred":
                 reaped()
                 times.setdefault("deferred, until the reaper is done", []).append(time.perf_counter() - t0)

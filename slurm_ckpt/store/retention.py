@@ -85,9 +85,9 @@ def discard_checkpoint(path: Path, *, later: bool = False) -> None:
     ``later``: the rename happens now, the delete on a thread of its own
     (:func:`reaped` waits for it). Retention after a save uses it, so that the
     save returns at its commit: freeing a 1 GiB checkpoint's blocks made a sync
-    save 1.37x slower on an ext4 mounted with ``discard`` (``python
-    bench/retention.py``), and a delete running beside the save's writes costs
-    it as much, because their fsyncs share the journal commit that frees them.
+    save 1.37-1.46x slower on an ext4 mounted with ``discard`` (``python
+    bench/retention.py``), and a delete running beside the save costs it about
+    as much (1.40x), because their fsyncs share the journal commit that frees them.
     """
     step = int(path.name.removeprefix("step-"))
     trash = tmp_dir_for(path.parent, step)
