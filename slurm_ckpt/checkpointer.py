@@ -346,9 +346,10 @@ class Checkpointer:
         memory: no second copy of the state, no fresh memory. A tensor of ``into``
         that the checkpoint lacks, or whose dtype or shape differs, raises
         ``ValueError`` before anything is read; a checkpoint tensor that ``into``
-        lacks is loaded into fresh memory. If a checkpoint fails its checksum, tensors already read
-        hold part of it until an older checkpoint is loaded over them (and if no
-        valid one is left, this returns None and they keep what was read).
+        lacks is loaded into fresh memory. If a checkpoint fails its checksum,
+        tensors already read hold part of it until an older checkpoint is loaded
+        over them (and if no valid one is left, this returns None and they keep
+        what was read).
         """
         self._check_open()
 

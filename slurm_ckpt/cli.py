@@ -232,9 +232,7 @@ def bench(size: str, dir: str, reps: int, json_path: str | None, plot_path: str 
     """Measure our saves and loads against torch.save, DCP, safetensors and the raw disk."""
     from .config import parse_size
 
-    if load_config().engine.torch_huge_pages:
-        # As `slurm-ckpt run` gives its command; torch reads it at its first allocation.
-        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    load_config().engine.torch_env(os.environ)  # as `slurm-ckpt run` gives its command
     from .engine.bench import run_bench
     from .engine.report import format_table, plot
 

@@ -218,13 +218,7 @@ def _child_env(
     out = dict(env)
     out["SLURM_CKPT_DIR"] = str(ckpt_dir)
     out["SLURM_CKPT_SIGNAL"] = sig_name
-    if cfg.engine.torch_huge_pages:
-        # torch's CPU allocator asks for transparent huge pages only when told
-        # to. Saving 1 GiB from tensors on 4 KiB pages reached 0.80-0.87x the
-        # disk's limit, on huge pages 0.96x (the disk takes at most 254
-        # physical segments per request); a fork snapshot stalled 0.125x the
-        # sync save against 0.063x (slurm-ckpt bench, README).
-        out.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    cfg.engine.torch_env(out)
     if not out.get("SLURM_CKPT_SCRATCH") and slurm.job_id and cfg.scratch.base:
         # The prolog's per-job scratch, when the TaskProlog did not export it.
         guess = Path(cfg.scratch.base) / f"job_{slurm.job_id}"
