@@ -25,7 +25,10 @@ from ..store.tensorfile import build_header
 from .buffers import aligned_buffer
 from .layout import FileImage, order_entries
 
-__all__ = ["Staging", "available_memory", "is_cuda"]
+__all__ = ["Pair", "Staging", "available_memory", "copy_pairs", "is_cuda"]
+
+Pair = tuple[TensorEntry, Any]
+"""An entry of the state and the tensor at its place in the staging buffer."""
 
 log = logging.getLogger("slurm_ckpt")
 
@@ -77,6 +80,32 @@ class Staging:
         self._wanted_pinned = pinned
         return self._buf
 
+    def prepare(
+        self, entries: Sequence[TensorEntry], metadata: dict[str, str] | None = None
+    ) -> tuple[FileImage, list[Pair]]:
+        """Lay ``entries`` out in the buffer and write the header; copy no tensor yet.
+
+        Returns the file image and, in file order, each entry paired with its
+        place in the buffer, for :func:`copy_pairs`.
+        """
+        import torch
+
+        ordered = order_entries(entries)
+        header = build_header(ordered, metadata)
+        total = len(header) + sum(e.nbytes for e in ordered)
+        cuda = any(is_cuda(e.tensor) for e in ordered)
+        buf = self._ensure(total, pinned=cuda and self.pin and torch.cuda.is_available())
+        base = int(buf.data_ptr())
+        ctypes.memmove(base, header, len(header))
+        pairs: list[Pair] = []
+        off = len(header)
+        for e in ordered:
+            n = e.nbytes
+            dst = buf[off : off + n].view(e.tensor.dtype).view(e.tensor.shape) if n else e.tensor.new_empty(e.tensor.shape, device="cpu")
+            pairs.append((e, dst))
+            off += n
+        return FileImage(size=total, pieces=[(base, total)], keep=[buf]), pairs
+
     def stage(
         self,
         entries: Sequence[TensorEntry],
@@ -89,34 +118,33 @@ class Staging:
         Returns the file image and entries whose tensors are views of the
         buffer, in file order. On return every byte is in host memory.
         """
-        import torch
+        image, pairs = self.prepare(entries, metadata)
+        copy_pairs(pairs, streams)
+        return image, [TensorEntry(e.key, dst, e.dtype, e.shape) for e, dst in pairs]
 
-        ordered = order_entries(entries)
-        header = build_header(ordered, metadata)
-        total = len(header) + sum(e.nbytes for e in ordered)
-        devices = {e.tensor.device for e in ordered if is_cuda(e.tensor)}
-        buf = self._ensure(total, pinned=bool(devices) and self.pin and torch.cuda.is_available())
-        base = int(buf.data_ptr())
-        ctypes.memmove(base, header, len(header))
-        staged: list[TensorEntry] = []
-        off = len(header)
-        for e in ordered:
-            n = e.nbytes
-            dst = buf[off : off + n].view(e.tensor.dtype).view(e.tensor.shape) if n else e.tensor.new_empty(e.tensor.shape, device="cpu")
-            side = streams.get(e.tensor.device) if streams else None
-            if n and side is not None:
-                with torch.cuda.stream(side):
-                    dst.copy_(e.tensor.detach(), non_blocking=True)
-            elif n:
-                dst.copy_(e.tensor.detach(), non_blocking=is_cuda(e.tensor))
-            staged.append(TensorEntry(e.key, dst, e.dtype, e.shape))
-            off += n
-        # One synchronization per device for all its device-to-host copies,
-        # not one per tensor.
-        for dev in devices:
-            side = streams.get(dev) if streams else None
-            (side or torch.cuda.current_stream(dev)).synchronize()
-        return FileImage(size=total, pieces=[(base, total)], keep=[buf]), staged
+
+def copy_pairs(pairs: Sequence[Pair], streams: dict[Any, Any] | None = None) -> None:
+    """Copy each entry's tensor to its place in a staging buffer; on return all are in host memory."""
+    import torch
+
+    devices = set()
+    for e, dst in pairs:
+        if not e.nbytes:
+            continue
+        src = e.tensor.detach()
+        side = streams.get(src.device) if streams else None
+        if side is not None:
+            with torch.cuda.stream(side):
+                dst.copy_(src, non_blocking=True)
+        else:
+            dst.copy_(src, non_blocking=is_cuda(src))
+        if is_cuda(src):
+            devices.add(src.device)
+    # One synchronization per device for all its device-to-host copies,
+    # not one per tensor.
+    for dev in devices:
+        side = streams.get(dev) if streams else None
+        (side or torch.cuda.current_stream(dev)).synchronize()
 
 
 def _pin(addr: int, nbytes: int) -> bool:
