@@ -254,18 +254,23 @@ class Checkpointer:
         return path
 
     def save_async(self, state: Any, step: int) -> SaveHandle:
-        """Stage ``state`` and write it in the background; returns once staging is done.
+        """Capture ``state`` and write it in the background.
 
-        Later in-place changes to the state's tensors do not reach this checkpoint
-        (with ``engine.snapshot: lazy``, only after ``fence()``). A call while a
-        save is in flight first waits for that one to commit: one in flight per
-        run dir, and no request is dropped.
+        Later in-place changes to the state's tensors do not reach this
+        checkpoint. By default (``overlap``, CPU tensors) the large tensors are
+        copied after this returns, behind the next forward and backward pass:
+        ``optimizer.step()`` waits for the copy, and a tensor changed in place
+        any other way before it was copied fails this save (``SnapshotChanged``)
+        rather than leak into it. With ``engine.snapshot: lazy`` the trainer
+        must call ``fence()`` first. A call while a save is in flight first
+        waits for that one to commit: one in flight per run dir, and no request
+        is dropped.
         """
         self._check_open()
         self._drain_inflight()
         self.run_dir.group()  # a collective: create it here, on the calling thread
         job = self.engine.job(state, allow_pickle=self.allow_pickle, mode="auto")
-        handle = SaveHandle(step, job.captured)
+        handle = SaveHandle(step, job.captured, job.mode)
 
         def run() -> None:
             try:
@@ -313,8 +318,9 @@ class Checkpointer:
         self._surface_drain_error()
 
     def fence(self) -> None:
-        """With ``engine.snapshot: lazy``: block until the save in flight has copied
-        the tensors, so the trainer may change them (call before ``optimizer.step()``)."""
+        """Block until the save in flight has copied the tensors, so the trainer may
+        change them: with ``engine.snapshot: lazy`` before ``optimizer.step()``; by
+        default before changing them other than through ``optimizer.step()``."""
         h = self._inflight
         if h is not None:
             h.fence()

@@ -192,15 +192,15 @@ class EngineConfig:
     direct_io: bool = True
     """Use O_DIRECT where the filesystem supports it (falls back to buffered where not)."""
     snapshot: str = "auto"
-    """auto|fork|copy|lazy: how save_async captures the state (see the engine docs)."""
+    """auto|overlap|copy|fork|lazy: how save_async captures the state (see the engine docs)."""
     pin_memory: bool = True
     """Stage CUDA tensors in pinned host memory (kept and reused between saves)."""
     torch_huge_pages: bool = True
     """slurm-ckpt run sets THP_MEM_ALLOC_ENABLE=1 for the command (unless set): torch then puts large CPU tensors on huge pages, which O_DIRECT writes and fork snapshots go faster from."""
 
     def validate(self) -> None:
-        if self.snapshot not in ("auto", "fork", "copy", "lazy"):
-            raise ConfigError("engine.snapshot must be one of auto, fork, copy, lazy")
+        if self.snapshot not in ("auto", "overlap", "copy", "fork", "lazy"):
+            raise ConfigError("engine.snapshot must be one of auto, overlap, copy, fork, lazy")
         if self.chunk_size <= 0 or self.chunk_size % 4096:
             raise ConfigError("engine.chunk_size must be a positive multiple of 4KiB, e.g. 8M")
         if self.threads < 0:

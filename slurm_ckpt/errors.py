@@ -8,7 +8,8 @@ so ``except OSError`` in a user's code still catches a full disk::
      ├── CheckpointCorrupt(ValueError)    a checkpoint failed verification
      ├── NoCheckpoint(LookupError)        nothing valid to resume from
      ├── UnsafeLoad(PermissionError)      pickle found, trusted loading not enabled
- ├── UnsupportedValue(TypeError)      a state value we cannot store safely
+     ├── UnsupportedValue(TypeError)      a state value we cannot store safely
+     ├── SnapshotChanged(RuntimeError)    a tensor changed while save_async copied it
      ├── LockHeld(TimeoutError)           another writer owns the run dir
      ├── StorageError(OSError)            an I/O call failed; carries path and errno
      │    └── NoSpace                     ENOSPC / EDQUOT
@@ -33,6 +34,7 @@ __all__ = [
     "ShardError",
     "SlurmCkptError",
     "SlurmError",
+    "SnapshotChanged",
     "StorageError",
     "UnsafeLoad",
     "UnsupportedValue",
@@ -69,6 +71,10 @@ class UnsafeLoad(SlurmCkptError, PermissionError):
 
 class UnsupportedValue(SlurmCkptError, TypeError):
     """A state holds a value with no safe encoding (and pickling was not allowed)."""
+
+
+class SnapshotChanged(SlurmCkptError, RuntimeError):
+    """A tensor changed in place while ``save_async`` was still copying it; nothing was committed."""
 
 
 class LockHeld(SlurmCkptError, TimeoutError):

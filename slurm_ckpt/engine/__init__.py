@@ -7,6 +7,12 @@ safetensors layout the reference writer produces, so each path reads the other's
 
 Snapshot modes for ``save_async`` (``engine.snapshot``):
 
+``overlap`` copy the small tensors, return, and copy the large ones into the
+          staging buffer on a thread, behind the trainer's next forward and
+          backward pass, which do not change them. ``optimizer.step()`` waits
+          for the copy by itself, and a tensor changed in place any other
+          way before it was copied fails the save rather than leak into it
+          (``guard.py``). Extra memory as ``copy``. CPU tensors only.
 ``copy``  copy into a staging buffer that is kept and reused between saves
           (pinned when CUDA is present, one sync for all device-to-host
           copies). The stall is one memory copy of the state; the extra
@@ -17,13 +23,14 @@ Snapshot modes for ``save_async`` (``engine.snapshot``):
           the trainer writes while the child is still writing is copied by a
           page fault, which costs far more than the copy it saved (measured
           in ``slurm-ckpt bench``). It needs no standing extra memory.
-``lazy``  opt-in: return at once and copy in the background. The trainer must
-          call ``handle.fence()`` (or ``Checkpointer.fence()``) before it next
-          changes the tensors in place, typically before ``optimizer.step()``;
-          parameters do not change during forward and backward, so the copy
-          hides behind them.
-``auto``  (default) ``copy``, unless a staging buffer would not fit in the
-          memory left (the job's cgroup limit included): then ``fork``.
+``lazy``  opt-in: return at once and copy in the background, unguarded. The
+          trainer must call ``handle.fence()`` (or ``Checkpointer.fence()``)
+          before it next changes the tensors in place, typically before
+          ``optimizer.step()``.
+``auto``  (default) ``overlap`` for CPU tensors and ``copy`` for CUDA ones,
+          unless a staging buffer would not fit in the memory left (the job's
+          cgroup limit included): then ``fork``. After ``overlap`` caught a
+          change, ``copy`` for the rest of the run.
 """
 
 from __future__ import annotations
@@ -38,23 +45,25 @@ from pathlib import Path
 from typing import Any
 
 from ..config import EngineConfig
+from ..errors import SnapshotChanged
 from ..store.codec import EncodedState, encode_state
 from ..store.manifest import Manifest
 from ..store.tensorfile import FileRecord
 from ..store.writer import load_state
+from . import guard
 from .forked import ForkedWriter
 from .handle import SaveHandle
 from .job import ForkJob, ImageJob, LazyJob, SaveJob
 from .layout import FileImage, plan_file
 from .reader import read_tensor_file
-from .staging import Staging, available_memory, is_cuda
+from .staging import Pair, Staging, available_memory, copy_pairs, is_cuda
 from .writer import write_image
 
 __all__ = ["MODES", "Engine", "SaveHandle", "SaveJob", "default_threads", "gc_paused"]
 
 log = logging.getLogger("slurm_ckpt")
 
-MODES = ("auto", "fork", "copy", "lazy")
+MODES = ("auto", "overlap", "copy", "fork", "lazy")
 
 
 def default_threads() -> int:
@@ -99,6 +108,7 @@ class Engine:
         self.cfg = cfg or EngineConfig()
         self.staging = Staging(pin=self.cfg.pin_memory)
         self._streams: dict[Any, Any] = {}
+        self._overlap_ok = True  # until a tensor changed outside optimizer.step() while copied
 
     @property
     def threads(self) -> int:
@@ -124,12 +134,17 @@ class Engine:
         enc = encode_state(state, allow_pickle=allow_pickle, prepare=_keep)
         cuda = any(is_cuda(e.tensor) for e in enc.tensors)
         if mode == "auto":
-            mode = "copy" if cuda or not hasattr(os, "fork") or self._staging_fits(enc.nbytes) else "fork"
-        if mode == "fork" and cuda:
-            log.debug("state has CUDA tensors: staging them instead of forking")
+            fits = self._staging_fits(enc.nbytes) or not hasattr(os, "fork")
+            mode = "copy" if cuda else "overlap" if fits else "fork"
+        if mode in ("fork", "overlap") and cuda:
+            log.debug("state has CUDA tensors: staging them instead of using %s", mode)
+            mode = "copy"
+        if mode == "overlap" and not self._overlap_ok:
             mode = "copy"
         if mode == "lazy":
             return self._lazy(enc)
+        if mode == "overlap":
+            return self._overlap(enc)
         if mode == "copy" or (mode == "sync" and cuda):
             image, enc.tensors = self.staging.stage(enc.tensors)
             return ImageJob(enc, image, self.write_image, mode)
@@ -168,7 +183,38 @@ class Engine:
             image, _ = self.staging.stage(entries, streams=streams)
             return image
 
-        return LazyJob(enc, stage, self.write_image)
+        return LazyJob(enc, stage, self.write_image, mode="lazy")
+
+    def _overlap(self, enc: EncodedState) -> SaveJob:
+        image, pairs = self.staging.prepare(enc.tensors)
+        # Small tensors now: the buffers that kernels change without a version
+        # bump are among them, and together they are a sliver of the bytes.
+        now: list[Pair] = []
+        later: list[Pair] = []
+        for e, dst in pairs:
+            (later if e.nbytes >= guard.SMALL and guard.trackable(e.tensor) else now).append((e, dst))
+        copy_pairs(now)
+        keys = [e.key for e, _ in later]
+        tensors = [e.tensor for e, _ in later]
+        before = guard.versions(tensors)
+
+        def stage() -> FileImage:
+            copy_pairs(later)
+            moved = guard.changed(keys, tensors, before)
+            if moved:
+                self._overlap_ok = False
+                log.warning("tensor %r changed in place while a save was copying it, outside "
+                            "optimizer.step(); from now on saves copy the state before returning", moved[0])  # fmt: skip
+                raise SnapshotChanged(
+                    f"{len(moved)} tensor(s) changed in place while save_async was still copying them, "
+                    f"outside optimizer.step(), e.g. {moved[0]!r}: the checkpoint would mix old and new "
+                    "values, so it is not committed and the previous one stays the newest. Later saves "
+                    "copy the state before save_async returns. To keep overlapping, call ckpt.fence() "
+                    "before changing tensors outside optimizer.step(); or set engine.snapshot: copy"
+                )
+            return image
+
+        return LazyJob(enc, stage, self.write_image, mode="overlap", guarded=True)
 
     def load(
         self,

@@ -16,8 +16,10 @@ class SaveHandle:
     ``storage.on_async_error: warn``).
     """
 
-    def __init__(self, step: int, captured: threading.Event | None = None) -> None:
+    def __init__(self, step: int, captured: threading.Event | None = None, mode: str = "sync") -> None:
         self.step = step
+        self.mode = mode
+        """The snapshot mode the save used (what ``auto`` chose)."""
         self._done = threading.Event()
         self._captured = captured if captured is not None else threading.Event()
         self._path: Path | None = None
@@ -35,9 +37,11 @@ class SaveHandle:
     def fence(self, timeout: float | None = None) -> None:
         """Block until the save no longer reads the trainer's tensors.
 
-        Only the opt-in ``lazy`` snapshot mode needs it: call it before the
-        next in-place update (``optimizer.step()``). In the other modes the
-        data was captured before ``save_async`` returned, and it returns at once.
+        The opt-in ``lazy`` mode needs it before the next in-place update
+        (``optimizer.step()``). In ``overlap`` mode ``optimizer.step()`` waits
+        by itself; call it before changing large tensors any other way. In
+        the other modes the data was captured before ``save_async`` returned,
+        and it returns at once.
         """
         if not self._captured.wait(timeout):
             raise TimeoutError(f"save of step {self.step}: tensors not captured after {timeout}s")

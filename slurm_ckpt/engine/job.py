@@ -2,7 +2,8 @@
 
 A job is made when a save is requested (``Engine.job``) and holds whatever
 makes its data immune to later changes: the tensors themselves for a
-synchronous save, a staged copy, or a forked child's copy-on-write snapshot.
+synchronous save, a staged copy, a copy being made on a thread of its own, or
+a forked child's copy-on-write snapshot.
 ``write(tmp)`` can be called more than once, each time into a fresh temp dir,
 because a retried commit writes everything again.
 """
@@ -17,6 +18,7 @@ from typing import Any
 from ..store.codec import EncodedState
 from ..store.tensorfile import FileRecord
 from ..store.writer import small_files, tensor_file_name, tensor_index, write_small_files
+from . import guard
 from .forked import ForkedWriter
 from .layout import FileImage
 
@@ -91,28 +93,52 @@ class ForkJob(SaveJob):
 
 
 class LazyJob(SaveJob):
-    """Copies the live tensors into staging on the first write, in the background.
+    """Copies the trainer's tensors into staging on a thread of its own, started at once.
 
-    The trainer must not change them until ``captured`` is set: that is the
-    fence (``SaveHandle.fence()``), which it calls before ``optimizer.step()``.
+    ``capture`` does the copying and returns the file image. The trainer must
+    not change what it copies until ``captured`` is set: in ``lazy`` mode it
+    calls the fence (``SaveHandle.fence()``) before ``optimizer.step()``; with
+    ``guarded`` (the ``overlap`` mode) every optimizer step waits by itself,
+    and ``capture`` checks for other changes (``guard.py``). Copying before
+    the commit starts, rather than in ``write``, keeps a fence from waiting
+    on a filesystem that stalls.
     """
 
-    mode = "lazy"
-
-    def __init__(self, enc: EncodedState, stage: Callable[[], FileImage], write: WriteImage) -> None:
+    def __init__(self, enc: EncodedState, capture: Callable[[], FileImage], write: WriteImage, *,
+                 mode: str, guarded: bool = False) -> None:  # fmt: skip
         super().__init__(enc)
-        self._stage = stage
+        self.mode = mode
+        self._capture: Callable[[], FileImage] | None = capture
         self._write_image = write
         self._image: FileImage | None = None
+        self._error: BaseException | None = None
+        self._guarded = guarded
+        if guarded:
+            guard.hold(self.captured)
+        self._thread = threading.Thread(target=self._copy, name="slurm-ckpt-copy", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        try:
+            assert self._capture is not None
+            self._image = self._capture()
+        except BaseException as e:  # raised by write(), so the commit fails with it
+            self._error = e
+        finally:
+            self._capture = None  # it holds the trainer's tensors
+            self.captured.set()  # on failure too: a fence must never hang
+            if self._guarded:
+                guard.release(self.captured)
 
     def _write_tensors(self, path: Path) -> FileRecord:
-        if self._image is None:
-            try:
-                self._image = self._stage()
-            finally:
-                self.captured.set()  # on failure too: a fence must never hang
+        self.captured.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._image is not None, "job already closed"
         return self._write_image(path, self._image)
 
     def close(self) -> None:
+        # The staging buffer goes to the next save: no copy may still be writing into it.
+        self._thread.join()
         self._image = None
         super().close()

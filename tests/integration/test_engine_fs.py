@@ -116,7 +116,7 @@ def test_a_4k_sector_disk_gets_aligned_direct_writes_and_a_buffered_tail(sector4
     check(path4, 4)
 
 
-@pytest.mark.parametrize("snapshot", ["copy", "fork"])
+@pytest.mark.parametrize("snapshot", ["overlap", "copy", "fork"])
 def test_a_full_disk_in_the_background_fails_the_save_everywhere_and_commits_nothing(
     make_tmpfs: Any, snapshot: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -165,7 +165,7 @@ if {abandon!r}:
 """
 
 
-@pytest.mark.parametrize("snapshot", ["copy", "fork"])
+@pytest.mark.parametrize("snapshot", ["overlap", "copy", "fork"])
 @pytest.mark.parametrize("abandon", [False, True])
 def test_interpreter_exit_finishes_the_save_and_os_exit_abandons_it_cleanly(
     fault_dir: Path, faultfs: Any, snapshot: str, abandon: bool

@@ -257,7 +257,7 @@ def test_map_location_moves_tensors(tmp_path: Path) -> None:
     assert out["a"].device.type == "meta" and out["a"].shape == (8,)
 
 
-@pytest.mark.parametrize("mode", ["sync", "copy", "fork", "lazy"])
+@pytest.mark.parametrize("mode", ["sync", "overlap", "copy", "fork", "lazy"])
 def test_every_mode_commits_the_same_readable_checkpoint(tmp_path: Path, mode: str) -> None:
     state = mixed_state()
     eng = Engine(EngineConfig(chunk_size=8192, threads=3))
@@ -273,7 +273,7 @@ def test_every_mode_commits_the_same_readable_checkpoint(tmp_path: Path, mode: s
     assert_same(load_state(path, man), want)  # the reference reader
 
 
-@pytest.mark.parametrize("mode", ["copy", "fork", "lazy"])
+@pytest.mark.parametrize("mode", ["overlap", "copy", "fork", "lazy"])
 def test_in_place_updates_after_the_snapshot_do_not_leak(tmp_path: Path, mode: str) -> None:
     state = {"w": torch.arange(100_000, dtype=torch.float32), "step": 1}
     want = {"w": state["w"].clone(), "step": 1}
@@ -292,7 +292,8 @@ def test_in_place_updates_after_the_snapshot_do_not_leak(tmp_path: Path, mode: s
         t.join()
         path = done[0]
     else:
-        state["w"].add_(1)  # the trainer goes on at once
+        # The trainer goes on at once (overlap copied this small tensor before returning).
+        state["w"].add_(1)
         path = commit(tmp_path, 1, job.write)
     job.close()
     assert_same(Engine().load(path, verify_checkpoint(path)), want)
@@ -313,7 +314,7 @@ def test_the_forked_writer_reads_the_snapshot_without_copying_it(tmp_path: Path)
 
 def test_a_job_can_be_written_twice_like_a_retried_commit(tmp_path: Path) -> None:
     eng = Engine(EngineConfig(chunk_size=8192))
-    for mode in ("fork", "copy", "lazy"):
+    for mode in ("fork", "copy", "lazy", "overlap"):
         job = eng.job({"w": torch.randn(5000)}, mode=mode)
         (tmp_path / mode).mkdir()
         try:
