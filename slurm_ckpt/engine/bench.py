@@ -84,9 +84,10 @@ def synthetic_state(nbytes: int) -> dict[str, Any]:
     return {"model": model, "optim": {"state": opt_state, "param_groups": groups}, "step": 100}
 
 
-def script_state(sub: str, reps: int) -> tuple[Any, Path, dict[str, Any]]:
+def script_state(sub: str, reps: int, make: Callable[[int], Any] | None = None) -> tuple[Any, Path, Any]:
     """For a script in ``bench/``: its arguments (``--size``, ``--dir``, ``--reps``), a
-    fresh ``sub`` dir under ``--dir``, and a synthetic state of ``--size``."""
+    fresh ``sub`` dir under ``--dir``, and a state of ``--size`` (``make(nbytes)``,
+    else the synthetic one)."""
     import argparse
 
     from ..config import parse_size
@@ -98,7 +99,7 @@ def script_state(sub: str, reps: int) -> tuple[Any, Path, dict[str, Any]]:
     args = ap.parse_args()
     root = args.dir / sub
     shutil.rmtree(root, ignore_errors=True)
-    return args, root, synthetic_state(parse_size(args.size))
+    return args, root, (make or synthetic_state)(parse_size(args.size))
 
 
 def script_finish(times: dict[str, list[float]], base: str, of: str, checkpointers: Iterable[Any], root: Path) -> None:
@@ -272,7 +273,7 @@ def run_bench(
         ("safetensors+fsync", lambda: _st_save(flat, root / "st.safetensors"), root / "st.safetensors"),
         ("ours sync", lambda: ours.save(state, 1), root / "ours" / "step-000000001"),
     ]
-    asyncs = {mode: ckpt(f"async-{mode}", mode) for mode in ("auto", "copy", "fork", "lazy")}
+    asyncs = {mode: ckpt(f"async-{mode}", mode) for mode in ("auto", "overlap", "copy", "fork", "lazy")}
     readers: list[tuple[str, Callable[[], Any], list[Path]]] = [
         ("raw O_DIRECT", lambda: raw.read(root / "raw.bin", 1), [root / "raw.bin"]),
         (f"raw O_DIRECT x{cores * 2}", lambda: raw.read(root / "raw.bin", cores * 2), [root / "raw.bin"]),
@@ -307,7 +308,9 @@ def run_bench(
                 # After a fork every page of the process owes an unshare fault:
                 # _training_step pays them, outside the timing, as it does for every method.
                 _training_step(state)
-                _async_run(ck, state, mode, res(f"ours async {mode}", "async"), r, tick)
+                chose = _async_run(ck, state, mode, res(f"ours async {mode}", "async"), r, tick)
+                if mode == "auto":
+                    info["auto_chose"] = chose
         _penalties(asyncs, state, reps, res, tick)
         for r in range(reps):
             for name, fn, paths in readers:
@@ -374,7 +377,8 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def _async_run(ck: Any, state: Any, mode: str, result: Result, r: int, tick: Callable[..., None]) -> None:
+def _async_run(ck: Any, state: Any, mode: str, result: Result, r: int, tick: Callable[..., None]) -> str:
+    """One timed ``save_async``; returns the snapshot mode it used."""
     _remove_steps(ck.dir)
     t0 = time.perf_counter()
     h = ck.save_async(state, r + 1)
@@ -390,6 +394,7 @@ def _async_run(ck: Any, state: Any, mode: str, result: Result, r: int, tick: Cal
     result.extra.setdefault("staging_bytes", []).append(float(staging.capacity))
     tick("async", f"{mode} stall", r, stall)
     tick("async", f"{mode} durable", r, durable, result.nbytes)
+    return h.mode
 
 
 def _training_step(state: Any) -> None:

@@ -50,7 +50,8 @@ def format_table(doc: dict[str, Any]) -> str:
               f"  {'mode':<26} {'stall s':>9} {'x sync':>7} {'+fence s':>9} {'durable s':>10} {'GB/s':>7} {'staging':>8}"]  # fmt: skip
     for r in _by(results, "async"):
         dur = _med(r, "durable")
-        lines.append(f"  {r['name']:<26} {r['median']:9.4f} {r['median'] / sync:7.3f} "
+        name = f"{r['name']} ({info['auto_chose']})" if r["name"].endswith(" auto") and "auto_chose" in info else r["name"]
+        lines.append(f"  {name:<26} {r['median']:9.4f} {r['median'] / sync:7.3f} "
                      f"{_med(r, 'stall_with_fence'):9.4f} {dur:10.3f} {r['nbytes'] / dur / 1e9:7.2f} "
                      f"{_med(r, 'staging_bytes') / r['nbytes']:8.2f}")  # fmt: skip
     upd = _by(results, "update")

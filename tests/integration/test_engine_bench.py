@@ -30,13 +30,15 @@ def test_bench_smoke_8m(tmp_path: Path) -> None:
     for kind, name in [("write", "raw O_DIRECT"), ("write", "torch.save+fsync"), ("write", "safetensors+fsync"),
                        ("write", "ours sync"), ("read", "ours"), ("read", "ours mmap"), ("read", "torch.load"),
                        ("read", "ours, into existing tensors"), ("read", "DCP, into existing tensors"),
-                       ("async", "ours async auto"), ("async", "ours async lazy"),
+                       ("async", "ours async auto"), ("async", "ours async overlap"), ("async", "ours async lazy"),
                        ("small-write", "ours sync (10k tensors)"), ("small-read", "ours (10k tensors)")]:  # fmt: skip
         assert (kind, name) in names
     assert any(k == "write" and n.startswith("DCP") for k, n in names)
     for r in doc["results"]:
         assert len(r["times"]) == 1 and r["times"][0] > 0, r
     assert 0.85 * (8 << 20) <= doc["info"]["nbytes"] <= 1.15 * (8 << 20)
+    assert doc["info"]["auto_chose"] == "overlap"
+    assert "ours async auto (overlap)" in res.output
     assert "x raw" in res.output and "x torch.save" in res.output and "stall" in res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in d.iterdir()] == []  # nothing left behind
