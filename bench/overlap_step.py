@@ -56,9 +56,9 @@ class Trainer:
 
 
 def main() -> None:
-    args, root, tr = script_state("overlap-step", reps=5, make=Trainer)
+    args, root, tr = script_state("overlap-step", reps=15, make=Trainer)
     cfg = load_config()
-    modes = ("sync", "copy", "lazy", "overlap", "fork")
+    modes = ("sync", "copy", "overlap", "lazy", "fork")
     ck = {mode: Checkpointer(root / mode, keep=1000, distributed=False,
                              config=dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, snapshot=mode)))
           for mode in modes if mode != "sync"}  # fmt: skip
