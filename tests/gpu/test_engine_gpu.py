@@ -53,12 +53,13 @@ def same(got: Any, want: Any) -> None:
         assert got == want
 
 
-@pytest.mark.parametrize("snapshot", ["auto", "copy"])
+@pytest.mark.parametrize("snapshot", ["auto", "copy", "overlap"])
 def test_async_save_of_cuda_state_is_staged_pinned_and_isolated(tmp_path: Path, snapshot: str) -> None:
     state = gpu_state(1)
     want = to_cpu(state)
     with Checkpointer(tmp_path, config=config(snapshot), distributed=False) as ck:
         h = ck.save_async(state, step=1)
+        assert h.mode == "copy"  # overlap is for CPU tensors; CUDA ones are staged before returning
         # The trainer changes the GPU tensors right away: the checkpoint must not see it.
         for t in state["model"].values():
             t.add_(1)
