@@ -273,15 +273,19 @@ class Checkpointer:
         handle = SaveHandle(step, job.captured, job.mode)
 
         def run() -> None:
+            path, error = None, None
             try:
                 path = self._commit(step, job.write, job.nbytes)
                 self._committed(step, path)
-                handle._finish(path, None)
             except BaseException as e:  # surfaced on wait() and the next save
                 log.error("background save of step %d failed: %s", step, e)
-                handle._finish(None, e)
+                error = e
             finally:
+                # Closed before the handle is done: a commit that failed early may
+                # leave a copy into the staging buffer running, and the next save,
+                # free to start once this one is done, reuses that buffer.
                 job.close()
+                handle._finish(path, error)
 
         self._inflight = handle
         threading.Thread(target=run, name=f"slurm-ckpt-save-{step}", daemon=False).start()

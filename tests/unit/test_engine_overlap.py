@@ -144,3 +144,24 @@ def test_closing_a_job_waits_for_its_copy(held: threading.Event) -> None:
     held.set()
     closer.join(60)
     assert job.captured.is_set()
+
+
+def test_a_save_that_fails_early_is_done_only_after_its_copy(
+    tmp_path: Path, held: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The next save reuses the staging buffer once this one is done: a copy
+    # still running then would write into that save's data.
+    ck = Checkpointer(tmp_path, config=config(), distributed=False)
+
+    def fail(*_: Any, **__: Any) -> Any:
+        raise OSError(5, "the storage failed before any write")
+
+    monkeypatch.setattr(ck, "_commit", fail)
+    h = ck.save_async({"w": torch.zeros(1 << 20)}, step=1)
+    waiter = blocked(h._done.wait)
+    held.set()
+    waiter.join(60)
+    with pytest.raises(OSError, match="before any write"):
+        h.wait(60)
+    with pytest.raises(OSError, match="before any write"):  # and again where the save is drained
+        ck.close()
