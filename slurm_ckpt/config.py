@@ -183,6 +183,10 @@ class WrapperConfig:
         parse_signal(self.signal)
 
 
+SNAPSHOTS = ("auto", "overlap", "copy", "fork", "lazy")
+"""The ``engine.snapshot`` modes (see ``slurm_ckpt.engine``)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     threads: int = 0
@@ -199,8 +203,8 @@ class EngineConfig:
     """slurm-ckpt run sets THP_MEM_ALLOC_ENABLE=1 for the command (unless set): torch then puts large CPU tensors on huge pages, which O_DIRECT writes and fork snapshots go faster from."""
 
     def validate(self) -> None:
-        if self.snapshot not in ("auto", "overlap", "copy", "fork", "lazy"):
-            raise ConfigError("engine.snapshot must be one of auto, overlap, copy, fork, lazy")
+        if self.snapshot not in SNAPSHOTS:
+            raise ConfigError(f"engine.snapshot must be one of {', '.join(SNAPSHOTS)}")
         if self.chunk_size <= 0 or self.chunk_size % 4096:
             raise ConfigError("engine.chunk_size must be a positive multiple of 4KiB, e.g. 8M")
         if self.threads < 0:

@@ -44,7 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..config import EngineConfig
+from ..config import SNAPSHOTS, EngineConfig
 from ..errors import SnapshotChanged
 from ..store.codec import EncodedState, encode_state
 from ..store.manifest import Manifest
@@ -53,7 +53,7 @@ from ..store.writer import load_state
 from . import guard
 from .forked import ForkedWriter
 from .handle import SaveHandle
-from .job import ForkJob, ImageJob, LazyJob, SaveJob
+from .job import ForkJob, ImageJob, SaveJob, ThreadCopyJob
 from .layout import FileImage, plan_file
 from .reader import read_tensor_file
 from .staging import Pair, Staging, available_memory, copy_pairs, is_cuda
@@ -63,7 +63,7 @@ __all__ = ["MODES", "Engine", "SaveHandle", "SaveJob", "default_threads", "gc_pa
 
 log = logging.getLogger("slurm_ckpt")
 
-MODES = ("auto", "overlap", "copy", "fork", "lazy")
+MODES = SNAPSHOTS
 
 
 def default_threads() -> int:
@@ -183,7 +183,7 @@ class Engine:
             image, _ = self.staging.stage(entries, streams=streams)
             return image
 
-        return LazyJob(enc, stage, self.write_image, mode="lazy")
+        return ThreadCopyJob(enc, stage, self.write_image, mode="lazy")
 
     def _overlap(self, enc: EncodedState) -> SaveJob:
         image, pairs = self.staging.prepare(enc.tensors)
@@ -214,7 +214,7 @@ class Engine:
                 )
             return image
 
-        return LazyJob(enc, stage, self.write_image, mode="overlap", guarded=True)
+        return ThreadCopyJob(enc, stage, self.write_image, mode="overlap", guarded=True)
 
     def load(
         self,

@@ -22,7 +22,7 @@ from . import guard
 from .forked import ForkedWriter
 from .layout import FileImage
 
-__all__ = ["ForkJob", "ImageJob", "LazyJob", "SaveJob"]
+__all__ = ["ForkJob", "ImageJob", "SaveJob", "ThreadCopyJob"]
 
 WriteImage = Callable[[Path, FileImage], FileRecord]
 
@@ -92,7 +92,7 @@ class ForkJob(SaveJob):
         super().close()
 
 
-class LazyJob(SaveJob):
+class ThreadCopyJob(SaveJob):
     """Copies the trainer's tensors into staging on a thread of its own, started at once.
 
     ``capture`` does the copying and returns the file image. The trainer must

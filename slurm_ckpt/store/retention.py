@@ -152,8 +152,6 @@ class _Reaper:
                     self._cond.notify_all()
 
 
-
-
 _reaper = _Reaper()
 # The parent's thread is not in a forked child; its queue is the parent's to finish.
 os.register_at_fork(after_in_child=_reaper._reset)
