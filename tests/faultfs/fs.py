@@ -6,6 +6,12 @@ rule's errno, writes fewer bytes than asked (a short write), or stalls first.
 The kernel returns those errors to the process exactly as a sick NFS server or
 a full disk would.
 
+Like FUSE daemons that pass the kernel's data on through buffers of their own,
+this one cannot honour ``O_DIRECT``: such an open succeeds, and every read and
+write on it fails with ``EINVAL``. Passing the flag down to the real file made
+that depend on the filesystem underneath and on where the allocator put each
+Python buffer, and a direct write once got through in a CI run.
+
 Run it with ``python -m tests.faultfs ROOT MOUNTPOINT --control SOCKET``; the
 control socket (see :mod:`tests.faultfs.control`) changes the rules at run time
 so one mount serves a whole test session.
@@ -43,6 +49,7 @@ class FaultOps(mfusepy.Operations):
     def __init__(self, root: str, injector: Injector) -> None:
         self.root = os.path.realpath(root)
         self.inj = injector
+        self._direct: set[int] = set()  # handles opened with O_DIRECT
 
     def _real(self, path: str) -> str:
         return self.root + path
@@ -140,20 +147,33 @@ class FaultOps(mfusepy.Operations):
         return 0
 
     # -- file data --------------------------------------------------------
+    def _open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        fh = os.open(self._real(path), flags & ~os.O_DIRECT, mode)
+        if flags & os.O_DIRECT:
+            self._direct.add(fh)
+        return fh
+
+    def _refuse_direct(self, fh: int) -> None:
+        if fh in self._direct:
+            raise FuseOSError(errno.EINVAL)
+
     def open(self, path: str, flags: int) -> int:
         self._gate("open", path)
-        return os.open(self._real(path), flags)
+        return self._open(path, flags)
 
     def create(self, path: str, mode: int, flags: int = os.O_WRONLY) -> int:
         self._gate("create", path)
-        return os.open(self._real(path), flags | os.O_CREAT, mode)
+        return self._open(path, flags | os.O_CREAT, mode)
 
     def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
         self._gate("read", path)
+        self._refuse_direct(fh)
         return os.pread(fh, size, offset)
 
     def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
-        if self._gate("write", path) and len(data) > 1:
+        short = self._gate("write", path)
+        self._refuse_direct(fh)
+        if short and len(data) > 1:
             data = data[: len(data) // 2]
         return os.pwrite(fh, data, offset)
 
@@ -178,5 +198,6 @@ class FaultOps(mfusepy.Operations):
         return 0
 
     def release(self, path: str, fh: int) -> int:
+        self._direct.discard(fh)
         os.close(fh)
         return 0
