@@ -10,6 +10,7 @@ write  raw O_DIRECT from one page-aligned buffer on huge pages (the limit)
        engine, from the huge-page buffer (adds: checksum threads, planning)
        engine, from the tensors, no checksum (adds: tensors' own memory)
        engine, from the tensors (the real sync path, without the commit)
+       the same without reserving the file's space first (what that is worth)
        Checkpointer.save (adds: state.json, manifest, fsyncs, rename)
 read   raw O_DIRECT into memory already faulted in (the limit)
        raw O_DIRECT into fresh memory (adds: page faults)
@@ -114,6 +115,7 @@ def main() -> None:
             ("engine, from one aligned buffer", lambda: write_image(out, staged)),
             ("engine, from the tensors, no checksum", lambda: _nocrc(out, image)),
             ("engine, from the tensors", lambda: write_image(out, image)),
+            ("engine, from the tensors, not preallocated", lambda: _unreserved(out, image)),
             ("Checkpointer.save", lambda: ck.save(state, 1)),
         ]
         for name, fn in cases:
@@ -159,6 +161,15 @@ def main() -> None:
 def _nocrc(out: Path, image: Any) -> None:
     with crc32_of(engine_writer, lambda data, value=0: 0):
         write_image(out, image)
+
+
+def _unreserved(out: Path, image: Any) -> None:
+    real = engine_writer.preallocate
+    engine_writer.preallocate = lambda fd, size: False
+    try:
+        write_image(out, image)
+    finally:
+        engine_writer.preallocate = real
 
 
 def _fresh_read(raw: _Raw, path: Path) -> None:

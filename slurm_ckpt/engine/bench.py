@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import EngineConfig, load_config
+from ..store.fsutil import preallocate
 from .buffers import ALIGN, aligned_buffer, populate
 from .staging import Staging
 
@@ -182,6 +183,7 @@ class _Raw:
     def write(self, path: Path, threads: int) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
         try:
+            preallocate(fd, self.nbytes)  # as the engine does: the limit is measured like for like
             self._parallel(threads, lambda v, off: os.pwrite(fd, v, off))
             os.fsync(fd)
         finally:

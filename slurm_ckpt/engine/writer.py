@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..errors import storage_error
 from ..store.crc import crc32, crc32_of_chunks
-from ..store.fsutil import fsync_file
+from ..store.fsutil import fsync_file, preallocate
 from ..store.tensorfile import FileRecord
 from .buffers import ALIGN, address_of, memory_view, pool
 from .layout import FileImage, Segment, Write, plan_writes
@@ -69,6 +69,12 @@ def write_image(
         raise storage_error(e, "cannot create data file", path) from e
     dfd = -1
     try:
+        # The whole file's space first: a full disk or quota then fails the
+        # save before it writes a byte, and on ext4 the O_DIRECT writes land
+        # inside the file's length, which lets them run in parallel instead
+        # of one at a time under the inode lock (allocating writes past the
+        # end take it exclusively).
+        preallocate(fd, image.size)
         if direct and image.size >= ALIGN:
             dfd = _open_direct(path)
         job = _Job(plan_writes(image.pieces, chunk, direct=dfd >= 0 and in_place), chunk, fd, dfd, cancel)

@@ -22,6 +22,7 @@ __all__ = [
     "fsync_dir",
     "fsync_file",
     "open_regular",
+    "preallocate",
     "read_small",
     "remove_tree",
     "write_file_durably",
@@ -31,6 +32,9 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _renameat2 = getattr(_libc, "renameat2", None)
+_fallocate = getattr(_libc, "fallocate", None)
+if _fallocate is not None:
+    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
 def open_regular(path: str | os.PathLike[str]) -> int:
@@ -52,6 +56,23 @@ def open_regular(path: str | os.PathLike[str]) -> int:
         os.close(fd)
         raise CheckpointCorrupt(f"{path}: not a regular file", path)
     return fd
+
+
+def preallocate(fd: int, size: int) -> bool:
+    """Reserve ``size`` bytes for the empty file ``fd`` and set its length; False where unsupported.
+
+    ``fallocate(2)`` itself, not ``posix_fallocate``: where the filesystem
+    cannot (NFSv3, FUSE, ...), glibc's ``posix_fallocate`` writes zeros over the
+    whole length instead, which would write the file twice.
+    """
+    if _fallocate is None or size <= 0:
+        return False
+    if _fallocate(fd, 0, 0, size) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err))
 
 
 def read_small(path: str | os.PathLike[str], limit: int) -> bytes:

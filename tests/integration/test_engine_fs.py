@@ -23,6 +23,7 @@ from slurm_ckpt import Checkpointer, StorageError
 from slurm_ckpt.config import Config, EngineConfig, StorageConfig
 from slurm_ckpt.engine import Engine
 from slurm_ckpt.store import find_latest, verify_checkpoint
+from slurm_ckpt.store.fsutil import preallocate
 from tests.faultfs import fixtures
 
 torch = pytest.importorskip("torch")
@@ -56,10 +57,12 @@ def check(path: Path, step: int, mib: int = 4) -> None:
 
 
 def test_fuse_refuses_direct_writes_and_the_engine_writes_buffered(fault_dir: Path) -> None:
-    # First prove the premise on this very mount: O_DIRECT opens, but writes fail.
+    # First prove the premise on this very mount: O_DIRECT opens, but writes
+    # fail; nor can it reserve space, so the engine writes without.
     probe = fault_dir / "probe"
     fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
     try:
+        assert preallocate(fd, 4096) is False
         with pytest.raises(OSError) as e:
             os.pwrite(fd, mmap.mmap(-1, 4096), 0)
         assert e.value.errno == errno.EINVAL

@@ -100,3 +100,30 @@ def test_disk_full_at_the_manifest(tmpfs: Callable[[str], Path], tmp_path: Path)
             ck.save(second, step=2)
         assert "MANIFEST.json" in str(info.value.filename)
         check_clean_failure(run, fs, info.value, before)
+
+
+def test_a_data_file_too_big_for_the_disk_fails_before_any_of_it_is_written(
+    tmpfs: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine reserves each data file's space before writing it, so on a full
+    # scratch the save fails at once instead of after writing all that fits.
+    fs = tmpfs("8m")
+    run = fs / "run"
+    written: list[int] = []
+    real = os.pwritev
+
+    def spy(fd: int, views: list[memoryview], off: int) -> int:
+        written.append(sum(len(v) for v in views))
+        return real(fd, views, off)
+
+    with Checkpointer(run, keep=1) as ck:
+        ck.save(state(1, 1), step=1)
+        before = used(fs)
+        monkeypatch.setattr(os, "pwritev", spy)
+        with pytest.raises(NoSpace) as info:
+            ck.save(state(2, 16), step=2)
+        assert written == [], "no tensor bytes go out before the space is known to be there"
+        check_clean_failure(run, fs, info.value, before)
+        monkeypatch.undo()
+        ck.save(state(3, 1), step=3)
+        assert written == [] and find_latest([run]).step == 3  # type: ignore[union-attr]
