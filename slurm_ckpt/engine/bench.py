@@ -4,10 +4,10 @@ Everything runs in one process, on one directory, interleaved: repetition 1
 of every method, then repetition 2, and so on, so a disk that speeds up or
 slows down during the run (shared machines do) affects every method alike.
 Within a repetition the methods run in an order shuffled anew each time
-(seeded, so a run can be repeated). In a fixed order each method always
-follows the same one, and on the development VM the methods that followed the
-buffered writers (torch.save, DCP, safetensors: 1 GiB through the page cache,
-then fsync) came out slower than the same methods in shuffled orders.
+(seeded, so a run can be repeated), so that no method always follows the same
+one, whatever that one leaves behind: a disk still busy with its buffered
+writes, or memory it has just freed, which on a VM whose balloon reports free
+memory to the host is fast to fault in again only for a short while.
 Each figure is the median of the repetitions, and is only ever shown as a
 ratio to another figure measured in the same run.
 
