@@ -302,6 +302,10 @@ def run_bench(
         rate = f"  {n / secs / 1e9:6.2f} GB/s" if n else ""
         progress(f"[{step[0]:>3}/{total}] {kind:<6} {name:<28} rep {r + 1}/{reps}  {secs:7.3f} s{rate}")
 
+    for name, _, _ in writers:  # the report lists them in this order, not the order they ran in
+        res(name, "write")
+    for name, _, _ in readers:
+        res(name, "read")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for r in range(reps):

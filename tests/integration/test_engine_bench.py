@@ -34,6 +34,11 @@ def test_bench_smoke_8m(tmp_path: Path) -> None:
                        ("small-write", "ours sync (10k tensors)"), ("small-read", "ours (10k tensors)")]:  # fmt: skip
         assert (kind, name) in names
     assert any(k == "write" and n.startswith("DCP") for k, n in names)
+    # The methods run in a shuffled order; the report lists them in a fixed one.
+    writes = [r["name"] for r in doc["results"] if r["kind"] == "write"]
+    reads = [r["name"] for r in doc["results"] if r["kind"] == "read"]
+    assert writes[0] == "raw O_DIRECT" and writes[2] == "torch.save+fsync" and writes[-1] == "ours sync", writes
+    assert reads[0] == "raw O_DIRECT" and reads[2] == "torch.load" and reads[-1].startswith("ours, into"), reads
     for r in doc["results"]:
         assert len(r["times"]) == 1 and r["times"][0] > 0, r
     assert 0.85 * (8 << 20) <= doc["info"]["nbytes"] <= 1.15 * (8 << 20)
