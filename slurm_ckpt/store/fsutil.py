@@ -67,12 +67,14 @@ def preallocate(fd: int, size: int) -> bool:
     """
     if _fallocate is None or size <= 0:
         return False
-    if _fallocate(fd, 0, 0, size) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-        return False
-    raise OSError(err, os.strerror(err))
+    while _fallocate(fd, 0, 0, size) != 0:
+        err = ctypes.get_errno()
+        if err == errno.EINTR:  # a signal (the wrapper's checkpoint request) mid-call; ctypes does not retry
+            continue
+        if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return False
+        raise OSError(err, os.strerror(err))
+    return True
 
 
 def read_small(path: str | os.PathLike[str], limit: int) -> bytes:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import socket
 import subprocess
@@ -164,3 +166,38 @@ def test_cleanup_spares_a_temp_dir_this_process_is_writing(run_dir: Path) -> Non
     commit(run_dir, 1, write)
     assert seen == [True] and in_flight() == frozenset()
     assert find_latest([run_dir]) is not None
+
+
+def test_preallocate_reserves_the_space_and_sets_the_length(tmp_path: Path) -> None:
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        assert fsutil.preallocate(fd, 8 << 20) is True
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    assert st.st_size == 8 << 20 and st.st_blocks * 512 >= 8 << 20
+
+
+def test_preallocate_retries_a_call_a_signal_interrupted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Faked seam: no filesystem here answers fallocate with EINTR (tmpfs gives
+    # up only on fatal signals now, ext4 never); NFS and FUSE can, and ctypes,
+    # unlike os.*, does not retry. The checkpoint request arrives as a signal.
+    real = fsutil._fallocate
+    assert real is not None
+    calls: list[int] = []
+
+    def interrupted_twice(*args: int) -> int:
+        calls.append(len(calls))
+        if len(calls) <= 2:
+            ctypes.set_errno(errno.EINTR)
+            return -1
+        return int(real(*args))
+
+    monkeypatch.setattr(fsutil, "_fallocate", interrupted_twice)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        assert fsutil.preallocate(fd, 1 << 20) is True
+        assert os.fstat(fd).st_size == 1 << 20
+    finally:
+        os.close(fd)
+    assert len(calls) == 3
