@@ -42,7 +42,7 @@ from slurm_ckpt import Checkpointer
 from slurm_ckpt.config import parse_size
 from slurm_ckpt.engine import reader as engine_reader
 from slurm_ckpt.engine import writer as engine_writer
-from slurm_ckpt.engine.bench import _Raw, drop_cache, synthetic_state
+from slurm_ckpt.engine.bench import _Raw, drop_cache, map_tensors, synthetic_state
 from slurm_ckpt.engine.buffers import ALIGN, aligned_buffer, memory_view
 from slurm_ckpt.engine.layout import plan_file
 from slurm_ckpt.engine.reader import read_tensor_file
@@ -175,20 +175,14 @@ def _on_huge_pages(state: Any) -> tuple[Any, list[Any]]:
 
     held: list[Any] = []
 
-    def copy(x: Any) -> Any:
-        if isinstance(x, dict):
-            return {k: copy(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [copy(v) for v in x]
-        if not isinstance(x, torch.Tensor):
-            return x
-        if x.numel() * x.element_size() < (1 << 20):
-            return x.clone()
-        buf = aligned_buffer(x.numel() * x.element_size())
+    def copy(t: Any) -> Any:
+        if t.numel() * t.element_size() < (1 << 20):
+            return t.clone()
+        buf = aligned_buffer(t.numel() * t.element_size())
         held.append(buf)
-        return torch.frombuffer(buf, dtype=x.dtype, count=x.numel()).view(x.shape).copy_(x)
+        return torch.frombuffer(buf, dtype=t.dtype, count=t.numel()).view(t.shape).copy_(t)
 
-    return copy(state), held
+    return map_tensors(state, copy), held
 
 
 def _unreserved(out: Path, image: Any) -> None:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ..config import EngineConfig, load_config
+from ..config import SNAPSHOTS, EngineConfig, load_config
 from ..store.fsutil import preallocate
 from .buffers import ALIGN, aligned_buffer, populate
 from .staging import Staging
@@ -281,7 +281,7 @@ def run_bench(
         ("safetensors+fsync", lambda: _st_save(flat, root / "st.safetensors"), root / "st.safetensors"),
         ("ours sync", lambda: ours.save(state, 1), root / "ours" / "step-000000001"),
     ]
-    asyncs = {mode: ckpt(f"async-{mode}", mode) for mode in ("auto", "overlap", "copy", "fork", "lazy")}
+    asyncs = {mode: ckpt(f"async-{mode}", mode) for mode in SNAPSHOTS}
     readers: list[tuple[str, Callable[[], Any], list[Path]]] = [
         ("raw O_DIRECT", lambda: raw.read(root / "raw.bin", 1), [root / "raw.bin"]),
         (f"raw O_DIRECT x{cores * 2}", lambda: raw.read(root / "raw.bin", cores * 2), [root / "raw.bin"]),
@@ -434,12 +434,15 @@ def _remove_steps(run_dir: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _clone(state: Any) -> Any:
+def map_tensors(state: Any, fn: Callable[[Any], Any]) -> Any:
+    """``state`` with each tensor ``t`` replaced by ``fn(t)``; other values kept."""
+    import torch
+
     if isinstance(state, dict):
-        return {k: _clone(v) for k, v in state.items()}
+        return {k: map_tensors(v, fn) for k, v in state.items()}
     if isinstance(state, list):
-        return [_clone(v) for v in state]
-    return state.clone() if hasattr(state, "clone") else state
+        return [map_tensors(v, fn) for v in state]
+    return fn(state) if isinstance(state, torch.Tensor) else state
 
 
 def _penalties(asyncs: dict[str, Any], state: Any, reps: int,
@@ -454,7 +457,7 @@ def _penalties(asyncs: dict[str, Any], state: Any, reps: int,
     only now, so the stall was measured in a process holding one state, as a
     trainer does (fork copies the page tables of everything the process holds).
     """
-    own = {mode: _clone(state) if mode == "fork" else state for mode in asyncs}
+    own = {mode: map_tensors(state, lambda t: t.clone()) if mode == "fork" else state for mode in asyncs}
 
     def update(state: Any) -> float:
         t0 = time.perf_counter()
