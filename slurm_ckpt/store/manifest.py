@@ -61,12 +61,12 @@ class Manifest:
             "nbytes": self.nbytes,
             "checksum": CHECKSUM,
             "files": {name: rec.to_json() for name, rec in sorted(self.files.items())},
-            "tensors": self.tensors,
             "extra": self.extra,
         }
-        body = json.dumps(doc, indent=1).encode()
-        assert body.endswith(_END)
-        return body[: -len(_END)] + b',\n "manifest_crc32": "%08x"\n}\n' % zlib.crc32(body)
+        head = json.dumps(doc, indent=1).encode()
+        assert head.endswith(_END)
+        body = head[: -len(_END)] + b',\n "tensors": ' + _tensor_lines(self.tensors)
+        return body + b',\n "manifest_crc32": "%08x"\n}\n' % zlib.crc32(body + _END)
 
     @classmethod
     def read(cls, ckpt_dir: Path) -> Manifest:
@@ -113,3 +113,19 @@ class Manifest:
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointCorrupt(f"{path}: invalid manifest: {e}", path) from None
+
+
+def _tensor_lines(tensors: dict[str, Any]) -> bytes:
+    """The tensor index as JSON, one tensor a line.
+
+    ``indent`` would put every field on a line of its own, and it makes
+    ``json`` fall back from its C encoder to pure Python: 35 ms against 10 ms
+    for 10,000 tensors on the development VM, paid on every save. A ``}, "``
+    in the one-line form can only be the end of one entry and the start of
+    the next, since a quote inside a JSON string is always escaped; breaking
+    the line there keeps the text valid JSON whatever the keys hold.
+    """
+    if not tensors:
+        return b"{}"
+    flat = json.dumps(tensors)
+    return b"{\n  " + flat[1:-1].replace('}, "', '},\n  "').encode() + b"\n }"

@@ -1,0 +1,49 @@
+"""MANIFEST.json's rendering: one tensor a line, valid JSON whatever the keys hold."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slurm_ckpt.errors import CheckpointCorrupt
+from slurm_ckpt.store.manifest import MANIFEST, Manifest
+from slurm_ckpt.store.tensorfile import FileRecord
+
+# Keys that look like the boundary the renderer breaks lines at, or like JSON itself.
+AWKWARD = ['a}, "b', '}, "', 'quote " and \\ backslash', "new\nline", "ünïcödé", "", "{}", '"}, "x": {"'] + [
+    f"layers.{i}.weight" for i in range(50)
+]
+
+
+def _write(tmp_path: Path, man: Manifest) -> bytes:
+    raw = man.to_bytes()
+    (tmp_path / MANIFEST).write_bytes(raw)
+    return raw
+
+
+@pytest.mark.parametrize("keys", [AWKWARD, []], ids=["awkward-keys", "no-tensors"])
+def test_tensor_index_round_trips_one_tensor_a_line(tmp_path: Path, keys: list[str]) -> None:
+    tensors = {k: {"file": "tensors-00000.safetensors", "dtype": "F32", "shape": [i, 3]} for i, k in enumerate(keys)}
+    raw = _write(tmp_path, Manifest(step=7, files={"state.json": FileRecord(2, "0000abcd")}, tensors=tensors))
+
+    back = Manifest.read(tmp_path)
+    assert back.tensors == tensors
+    assert list(back.tensors) == keys  # the order too: the file's order is the save's
+    assert back.files == {"state.json": FileRecord(2, "0000abcd")}
+    assert json.loads(raw)["step"] == 7
+    lines = raw.decode().splitlines()
+    start = lines.index(' "tensors": {' if keys else ' "tensors": {},')
+    entries = lines[start + 1 : start + 1 + len(keys)]
+    assert [json.loads("{" + line.strip().rstrip(",") + "}") for line in entries] == [
+        {k: v} for k, v in tensors.items()
+    ]
+
+
+def test_a_changed_tensor_entry_fails_the_manifests_own_checksum(tmp_path: Path) -> None:
+    tensors = {f"w{i}": {"file": "t", "dtype": "F32", "shape": [4]} for i in range(3)}
+    raw = _write(tmp_path, Manifest(step=1, files={}, tensors=tensors))
+    (tmp_path / MANIFEST).write_bytes(raw.replace(b'"shape": [4]}', b'"shape": [5]}', 1))
+    with pytest.raises(CheckpointCorrupt, match="expected manifest_crc32"):
+        Manifest.read(tmp_path)
