@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import storage_error
-from ..store.crc import crc32, crc32_of_chunks
+from ..store.crc import crc32, crc32_of_chunks, crc_threads
 from ..store.fsutil import fsync_file, preallocate
 from ..store.tensorfile import FileRecord
 from .buffers import ALIGN, address_of, memory_view, pool
@@ -141,7 +141,7 @@ class _Job:
 
     def run(self, threads: int) -> None:
         n = max(1, min(threads, len(self.writes)))
-        c = min(len(self._crc_todo), _crc_threads())
+        c = min(len(self._crc_todo), crc_threads())
         workers = [threading.Thread(target=self._guard, args=(self._writer,), name=f"slurm-ckpt-write-{i}",
                                     daemon=True) for i in range(n)]  # fmt: skip
         workers += [threading.Thread(target=self._guard, args=(self._checksummer,), name=f"slurm-ckpt-crc-{i}",
@@ -238,17 +238,6 @@ def _cut(views: list[memoryview], end: int, start: int = 0) -> list[memoryview]:
             out.append(v[lo:hi])
         pos += len(v)
     return out
-
-
-def _crc_threads() -> int:
-    """Half the cores, 1 to 4: crc32 runs at ~7 GB/s a core, so 4 keep up with
-    ~25 GB/s of disks, and the other half of the cores stay free to keep the
-    writes flowing (on 2 cores: 3.0 GB/s with one crc thread, 2.8 with two)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 2
-    return max(1, min(4, cores // 2))
 
 
 def _pwritev_all(fd: int, views: list[memoryview], off: int) -> None:

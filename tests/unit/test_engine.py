@@ -216,6 +216,33 @@ def test_a_flipped_bit_anywhere_is_caught_naming_the_file(tmp_path: Path, mmap: 
         assert e.value.path == str(bad)
 
 
+def test_a_checksum_thread_that_fails_raises_its_error_not_a_false_corruption(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The crcs are taken on threads beside the reads; one that dies must not leave
+    a chunk's crc out, which would make a sound file read as damaged. Nothing here
+    makes crc32 fail by itself, so the test fails its third call."""
+    from slurm_ckpt.engine import reader
+
+    enc = encode_state(mixed_state())
+    path = tmp_path / "x.safetensors"
+    rec = write_image(path, plan_file(order_entries(enc.tensors)), chunk=4096)
+    real, calls = reader.crc32, [0]
+
+    def flaky(data: Any, value: int = 0) -> int:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise MemoryError("crc32 failed")
+        return int(real(data, value))
+
+    monkeypatch.setattr(reader, "crc32", flaky)
+    with pytest.raises(MemoryError, match="crc32 failed"):
+        read_tensor_file(path, rec, chunk=4096)
+    assert calls[0] >= 3
+    monkeypatch.setattr(reader, "crc32", real)
+    assert_same(read_tensor_file(path, rec, chunk=4096), {e.key: e.tensor for e in enc.tensors})
+
+
 def test_a_header_that_does_not_tile_the_data_is_refused_before_reading(tmp_path: Path) -> None:
     enc = encode_state({"a": torch.randn(4), "b": torch.randn(4)})
     path = tmp_path / "x.safetensors"
