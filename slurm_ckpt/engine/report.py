@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +22,30 @@ def _med(r: dict[str, Any], key: str) -> float:
     return float(vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2)
 
 
-def _limit(rows: list[dict[str, Any]]) -> float:
+def _limit(rows: list[dict[str, Any]], stat: Callable[[dict[str, Any]], float]) -> float:
     """The device limit: the faster of the raw rows (single stream or parallel)."""
-    return min((r["median"] for r in rows if r["name"].startswith("raw")), default=math.nan)
+    return min((stat(r) for r in rows if r["name"].startswith("raw")), default=math.nan)
+
+
+def _median(r: dict[str, Any]) -> float:
+    return float(r["median"])
+
+
+def _best(r: dict[str, Any]) -> float:
+    return min(r["times"], default=math.nan)
 
 
 def _rate_table(rows: list[dict[str, Any]], peer: str) -> list[str]:
-    limit = _limit(rows)
+    """Medians, and beside them the best repetition of each against the best of the raw
+    rows: on a shared machine a slow repetition is the machine's as often as the method's,
+    and the best shows what the method reaches when nothing else gets in its way."""
+    limit, best_limit = _limit(rows, _median), _limit(rows, _best)
     base = next((r["median"] for r in rows if r["name"].startswith(peer)), math.nan)
-    out = [f"  {'method':<26} {'median s':>9} {'GB/s':>7} {'x raw':>7} {'x ' + peer:>14}"]
+    out = [f"  {'method':<26} {'median s':>9} {'GB/s':>7} {'x raw':>7} {'x ' + peer:>14} {'best x raw':>11}"]
     for r in rows:
         t = r["median"]
-        out.append(f"  {r['name']:<26} {t:9.3f} {r['nbytes'] / t / 1e9:7.2f} {limit / t:7.2f} {base / t:14.2f}")
+        out.append(f"  {r['name']:<26} {t:9.3f} {r['nbytes'] / t / 1e9:7.2f} {limit / t:7.2f} {base / t:14.2f}"
+                   f" {best_limit / _best(r):11.2f}")  # fmt: skip
     return out
 
 
@@ -40,7 +53,7 @@ def format_table(doc: dict[str, Any]) -> str:
     """The report as text: writes, async saves, updates in flight, reads, small tensors."""
     info, results = doc["info"], doc["results"]
     lines = [f"state {info['nbytes'] / 2**30:.2f} GiB in {info['tensors']} tensors, {info['reps']} "
-             f"repetitions interleaved, medians; dir {info['dir']}; {info['cores']} cores; "
+             f"repetitions interleaved, medians (best: fastest repetition); dir {info['dir']}; {info['cores']} cores; "
              f"page cache dropped by {info.get('cache', '-')}; torch huge pages "
              f"{'on' if info.get('torch_huge_pages') else 'off'}", "", "WRITE (durable: fsynced)"]  # fmt: skip
     writes = _by(results, "write")
