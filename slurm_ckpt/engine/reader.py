@@ -268,7 +268,8 @@ def _read(
     # The crcs are taken on threads of their own as the reads land: a read
     # thread that stopped to checksum would leave the disk's queue shallower
     # (1 GiB into memory already faulted in: 0.935x raw with the crc inline,
-    # 0.958x beside it, 0.964x without, on the development VM).
+    # 0.958x beside it, 0.964x without, in a one-off interleaved comparison
+    # on the development VM; ``bench/profile_engine.py`` shows the result).
     crcs: list[tuple[int, int]] = [(0, 0)] * len(items)
     landed: queue.SimpleQueue[int | None] = queue.SimpleQueue()
 
