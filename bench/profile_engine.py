@@ -3,7 +3,8 @@
     python bench/profile_engine.py --size 1G --dir /path/on/the/disk [--reps 5]
 
 Each line removes one cost from the real engine path, measured interleaved in
-one run (medians), so the gaps between lines are the costs:
+one run (medians; each repetition runs the lines in a shuffled order, seeded,
+as ``slurm-ckpt bench`` does), so the gaps between lines are the costs:
 
 write  raw O_DIRECT from one page-aligned buffer on huge pages (the limit)
        the same from a buffer on 4 KiB pages (what huge pages are worth)
@@ -42,7 +43,7 @@ from slurm_ckpt import Checkpointer
 from slurm_ckpt.config import parse_size
 from slurm_ckpt.engine import reader as engine_reader
 from slurm_ckpt.engine import writer as engine_writer
-from slurm_ckpt.engine.bench import _Raw, drop_cache, map_tensors, synthetic_state
+from slurm_ckpt.engine.bench import _Raw, _shuffled, drop_cache, map_tensors, synthetic_state
 from slurm_ckpt.engine.buffers import ALIGN, aligned_buffer, memory_view
 from slurm_ckpt.engine.layout import plan_file
 from slurm_ckpt.engine.reader import read_tensor_file
@@ -112,7 +113,7 @@ def main() -> None:
         os.sync()
 
     writes: dict[str, list[float]] = {}
-    for _ in range(args.reps):
+    for r in range(args.reps):
         cases: list[tuple[str, Callable[[], Any]]] = [
             ("raw O_DIRECT x4 (limit)", lambda: raw.write(out, 4)),
             ("raw O_DIRECT x4, from 4 KiB pages", lambda: raw_small.write(out, 4)),
@@ -123,8 +124,10 @@ def main() -> None:
             ("engine, from the tensors, not preallocated", lambda: _unreserved(out, image)),
             ("Checkpointer.save", lambda: ck.save(state, 1)),
         ]
-        for name, fn in cases:
-            writes.setdefault(name, []).append(timed(fn, fresh))
+        for name, _ in cases:
+            writes.setdefault(name, [])  # the table keeps this order
+        for name, fn in _shuffled(cases, r):
+            writes[name].append(timed(fn, fresh))
     table("WRITE", image.size, writes, "raw O_DIRECT x4 (limit)")
 
     path = ck.save(state, 1)
@@ -135,7 +138,7 @@ def main() -> None:
     mine = {e.key: e.tensor for e in enc.tensors}
     ours = read_tensor_file(data, rec)
     reads: dict[str, list[float]] = {}
-    for _ in range(args.reps):
+    for r in range(args.reps):
         cases = [
             ("raw O_DIRECT x4 into faulted memory (limit)", lambda: warm.read(out, 4)),
             ("raw O_DIRECT x4 into fresh memory", lambda: _fresh_read(warm, out)),
@@ -144,8 +147,10 @@ def main() -> None:
             ("engine read into the state's tensors", lambda: read_tensor_file(data, rec, into=mine)),
             ("engine read into tensors it read before", lambda: read_tensor_file(data, rec, into=ours)),
         ]
-        for name, fn in cases:
-            reads.setdefault(name, []).append(timed(fn, lambda: drop_cache([out, path])))
+        for name, _ in cases:
+            reads.setdefault(name, [])
+        for name, fn in _shuffled(cases, r):
+            reads[name].append(timed(fn, lambda: drop_cache([out, path])))
     table("READ (cold cache)", image.size, reads, "raw O_DIRECT x4 into faulted memory (limit)")
 
     staging = Staging()
