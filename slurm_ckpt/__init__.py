@@ -10,7 +10,8 @@ The package root is the only public surface::
 
 from __future__ import annotations
 
-from .checkpointer import Checkpointer, SaveHandle
+import typing
+
 from .config import Config, load_config, parse_size
 from .errors import (
     CheckpointCorrupt,
@@ -27,7 +28,29 @@ from .errors import (
     UnsupportedValue,
 )
 
+if typing.TYPE_CHECKING:
+    from .checkpointer import Checkpointer, SaveHandle
+
 __version__ = "0.1.0"
+
+_LAZY = {"Checkpointer": ".checkpointer", "SaveHandle": ".checkpointer"}
+
+
+def __getattr__(name: str) -> typing.Any:
+    # Imported on first use: the Checkpointer brings in the engine and the
+    # stores, two thirds of the CLI's start-up, and the node hooks, which run
+    # before every job, never use it.
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 __all__ = [
     "CheckpointCorrupt",

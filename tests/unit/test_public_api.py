@@ -10,6 +10,9 @@ INCLUDED_PRIVATE = {"__version__"}
 
 
 def test_all_is_sorted_and_lists_every_public_name() -> None:
+    for name in slurm_ckpt.__all__:
+        getattr(slurm_ckpt, name)  # the lazily imported ones too
+    assert set(slurm_ckpt.__all__) <= set(dir(slurm_ckpt))
     public = {
         name
         for name, value in vars(slurm_ckpt).items()
