@@ -191,7 +191,7 @@ class CrossNode:
 
     # -- the drain ---------------------------------------------------------------
     def _stage(self, item: _Item) -> tuple[Path, Path | None]:
-        staged = sh.stage_shard(item.shard, self.durable.path)
+        staged = sh.stage_shard(item.shard, self.durable.path, keep=self.keep)
         done = sh.complete(self.durable.path, item.step, item.save_id, self.world, keep=self.keep, by="drain")
         return staged, done
 

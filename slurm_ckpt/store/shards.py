@@ -42,12 +42,13 @@ from typing import Any
 
 import filelock
 
-from ..errors import CheckpointCorrupt, LockHeld, storage_error
+from ..errors import CheckpointCorrupt, LockHeld, NoSpace, storage_error
 from .commit import WriteFn
 from .fsutil import exchange_or_replace_dir, fsync_dir, remove_tree, write_file_durably
 from .layout import list_steps, step_dir
 from .manifest import MANIFEST, Manifest
 from .retention import apply_retention
+from .retry import prune_for_space
 from .tensorfile import FileRecord
 from .transfer import _copy_file
 from .verify import _crc_file, find_latest, verify_checkpoint
@@ -261,12 +262,18 @@ def write_staged_shard(durable: Path, step: int, save_id: str, rank: int, write:
     return _commit_into(stage, shard_name(rank), write, {"step": step, **meta})
 
 
-def stage_shard(shard: LocalShard, durable: Path) -> Path:
+def stage_shard(shard: LocalShard, durable: Path, *, keep: int | None = None, lock_timeout: float = 60.0) -> Path:
     """Copy a shard committed on scratch into the durable staging dir; return where it is.
 
     Every byte is checksummed as it is copied and compared with the shard's
     manifest, then the copy is read back in full before it is committed.
     Idempotent: a shard already staged is verified and kept.
+
+    With ``keep``, a durable tier that is full (ENOSPC, EDQUOT) is pruned as the
+    other tiers are (``prune_for_space``: ``keep - 1`` checkpoints stay, never
+    fewer than the newest one) and the copy is tried once more. The pruning
+    takes the assembly lock, under which retention after an assembly runs, so
+    two ranks never prune at once.
     """
     stage = staging_dir(durable, shard.step, shard.save_id)
     dst = stage / shard_name(shard.rank)
@@ -295,11 +302,23 @@ def stage_shard(shard: LocalShard, durable: Path) -> Path:
             fsync_dir(d)
         return files, man.tensors
 
-    _mkdirs(stage)
     extra = dict(man.extra, staged_from=f"{man.host}:{src}")
-    return _commit_into(stage, shard_name(shard.rank), copy,
-                        {"step": man.step, "time": man.time, "host": man.host, "job_id": man.job_id,
-                         "world_size": man.world_size, "nbytes": man.nbytes, "extra": extra})  # fmt: skip
+    meta = {"step": man.step, "time": man.time, "host": man.host, "job_id": man.job_id,
+            "world_size": man.world_size, "nbytes": man.nbytes, "extra": extra}  # fmt: skip
+    try:
+        _mkdirs(stage)
+        return _commit_into(stage, shard_name(shard.rank), copy, meta)
+    except NoSpace as e:
+        if keep is None:
+            raise
+        with _AssemblyLock(durable, lock_timeout):
+            removed = prune_for_space(durable, keep)
+        if not removed:
+            raise
+        log.warning("staging %s: %s; pruned %s and retrying once", dst, e.strerror,
+                    ", ".join(p.name for p in removed))  # fmt: skip
+        _mkdirs(stage)
+        return _commit_into(stage, shard_name(shard.rank), copy, meta)
 
 
 def _verify_file(path: Path, rec: FileRecord) -> None:

@@ -285,6 +285,47 @@ def test_an_older_save_of_the_same_step_never_replaces_a_newer_one(tmp_path: Pat
     assert sh.complete(durable, 50, new_id, WORLD) == durable / "step-000000050"
 
 
+def test_a_full_durable_tier_is_pruned_for_a_shard_as_for_a_checkpoint(
+    tmp_path: Path, tmpfs: Any
+) -> None:
+    """The drain's shard copy into a full durable tier (a real 8 MiB tmpfs) prunes
+    the older checkpoints down to ``keep - 1`` and copies again, as the tier drain
+    does for whole checkpoints; without ``keep`` it fails and leaves nothing behind."""
+    from slurm_ckpt.errors import NoSpace
+    from slurm_ckpt.store import RunDir, verify_checkpoint
+    from slurm_ckpt.store import shards as sh
+    from slurm_ckpt.store.codec import encode_state
+    from slurm_ckpt.store.writer import write_state
+
+    def commit(rd: Any, step: int, **meta: Any) -> Path:
+        import torch
+
+        enc = encode_state({"step": step, "blob": torch.frombuffer(bytearray(os.urandom(3 << 20)), dtype=torch.uint8)})
+        return rd.commit(step, lambda tmp: write_state(tmp, enc), nbytes=enc.nbytes, **meta)
+
+    durable = tmpfs("8m")
+    run = RunDir(durable)
+    commit(run, 10)
+    commit(run, 20)
+    run.unlock()
+    save_id = sh.new_save_id()
+    local = RunDir(tmp_path / "ckpt" / sh.shard_name(0))
+    commit(local, 30, world_size=1, extra=sh.shard_extra(0, 1, save_id))
+    local.unlock()
+    shard = next(sh.local_shards(tmp_path / "ckpt" / sh.shard_name(0)))
+
+    with pytest.raises(NoSpace):
+        sh.stage_shard(shard, durable)
+    assert not list(durable.rglob(".tmp-*")) and not list(durable.glob(f"{sh.STAGING_PREFIX}*/*"))
+    staged = sh.stage_shard(shard, durable, keep=2)
+    assert staged.parent == sh.staging_dir(durable, 30, save_id)
+    assert sorted(p.name for p in durable.glob("step-*")) == ["step-000000020"]  # 10 pruned, 20 kept
+    verify_checkpoint(durable / "step-000000020", full=True)
+    done = sh.complete(durable, 30, save_id, 1)
+    assert done == durable / "step-000000030"
+    verify_checkpoint(done, full=True)
+
+
 # ----------------------------------------------------------- death mid-save
 
 
