@@ -94,7 +94,7 @@ class CrossNode:
 
     @classmethod
     def setup(
-        cls, group: _Group, durable: RunDir, fast: Path | None, **kwargs: Any
+        cls, group: _Group, durable: RunDir, fast: Path | None, *, keep: int, **kwargs: Any
     ) -> CrossNode | None:
         """Collective: a CrossNode when any rank has scratch, else None (``dist.py`` saves then).
 
@@ -105,7 +105,7 @@ class CrossNode:
             try:
                 RunDir(fast / sh.shard_name(group.rank)).ensure()
                 # Tells the epilog where this node's shards go (read as untrusted input).
-                write_tier_file(fast, durable.path)
+                write_tier_file(fast, durable.path, keep)
             except OSError as e:
                 log.warning("cannot use scratch %s (%s)", fast, e)
                 fast = None
@@ -132,7 +132,7 @@ class CrossNode:
             raise err
         if failed is not None:
             raise ShardError(f"rank 0 cannot write {durable.path}: {failed}")
-        return cls(group, durable, fast, **kwargs)
+        return cls(group, durable, fast, keep=keep, **kwargs)
 
     # -- saving (collective) ---------------------------------------------------
     def commit(self, step: int, write: WriteFn, **meta: Any) -> Path:

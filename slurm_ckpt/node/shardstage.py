@@ -62,8 +62,12 @@ def has_shards(scratch_ckpt: Path) -> bool:
     return bool(_rank_dirs(scratch_ckpt))
 
 
-def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float) -> StageResult:
-    """Stage every shard on this node that the durable tier still needs. Never raises."""
+def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float, *, keep: int | None = None) -> StageResult:
+    """Stage every shard on this node that the durable tier still needs. Never raises.
+
+    ``keep`` (the job's, from ``TIER.json``): make room on a full durable tier
+    and apply retention after an assembly, as the job's own drain does.
+    """
     start = time.monotonic()
     try:
         newest = sh.newest_durable_step(durable)
@@ -87,12 +91,13 @@ def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float) -> Stag
                 break  # another node's epilog completed a newer one meanwhile
             name = f"{sh.shard_name(shard.rank)} step {shard.step}"
             try:
-                sh.stage_shard(shard, durable)
+                sh.stage_shard(shard, durable, keep=keep, lock_timeout=lock_timeout)
                 done = sh.complete(
                     durable,
                     shard.step,
                     shard.save_id,
                     shard.world,
+                    keep=keep,
                     lock_timeout=lock_timeout,
                     by="epilog",
                 )

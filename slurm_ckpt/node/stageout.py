@@ -26,13 +26,16 @@ from ..store import Candidate, RunDir, copy_checkpoint, find_latest, verify_chec
 from ..store.fsutil import read_small
 from ..store.layout import list_steps
 from ..store.manifest import MANIFEST, Manifest
+from ..store.retention import apply_retention
+from ..store.retry import prune_for_space, pruned_once
 from ..store.shards import plain_files
 from .job import Job
 
-__all__ = ["TIER_FILE", "StageResult", "read_tier", "stage_out"]
+__all__ = ["TIER_FILE", "StageResult", "Tier", "read_tier", "stage_out"]
 
 TIER_FILE = "TIER.json"
 _MAX_TIER = 64 * 1024
+_MAX_KEEP = 1_000_000
 STAGE_MEMORY = 4 * 1024**3
 """Address-space limit of the stage-out child (bytes)."""
 _DONE = ("staged", "up-to-date", "none")
@@ -52,20 +55,34 @@ class StageResult:
         return self.status in _DONE
 
 
-def read_tier(scratch_ckpt: Path) -> Path | None:
-    """The durable run dir named in ``TIER.json``, or None. Untrusted input.
+@dataclass(frozen=True)
+class Tier:
+    """What ``TIER.json`` says: where the job's checkpoints go, and how many it keeps."""
+
+    durable: Path
+    keep: int | None
+    """The job's ``storage.keep``; None where the file does not say (an older writer)."""
+
+
+def read_tier(scratch_ckpt: Path) -> Tier | None:
+    """``TIER.json`` of a job's scratch, or None. Untrusted input.
 
     Opened without following a link or blocking on a FIFO, size-bounded, and
-    the path must be absolute. Called with the user's privileges.
+    the path must be absolute. A ``keep`` that is not a whole number from 1 to
+    ``_MAX_KEEP`` is ignored. Called with the user's privileges.
     """
     try:
         data = json.loads(read_small(scratch_ckpt / TIER_FILE, _MAX_TIER))
     except (OSError, ValueError):  # CheckpointCorrupt (not a regular file, too big) included
         return None
-    durable = data.get("durable") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return None
+    durable, keep = data.get("durable"), data.get("keep")
     if not isinstance(durable, str) or not durable.startswith("/") or "\0" in durable or len(durable) > 4096:
         return None
-    return Path(os.path.normpath(durable))
+    if type(keep) is not int or not 1 <= keep <= _MAX_KEEP:
+        keep = None
+    return Tier(Path(os.path.normpath(durable)), keep)
 
 
 def _candidates(scratch_ckpt: Path, errors: list[str]) -> Iterator[Candidate]:
@@ -91,7 +108,8 @@ def _candidates(scratch_ckpt: Path, errors: list[str]) -> Iterator[Candidate]:
 
 
 def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float) -> StageResult:
-    durable = read_tier(scratch_ckpt) or default_durable
+    tier = read_tier(scratch_ckpt)
+    durable, keep = (tier.durable, tier.keep) if tier else (default_durable, None)
     if durable is None:
         return StageResult("failed", "no durable run dir: no TIER.json and no storage.root")
     # Imported here: only the stage-out child needs it, not every prolog.
@@ -99,7 +117,7 @@ def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float
 
     if has_shards(scratch_ckpt):
         # A cross-node sharded job: this node's shards go to the durable staging dirs.
-        return stage_shards(scratch_ckpt, durable, lock_timeout)
+        return stage_shards(scratch_ckpt, durable, lock_timeout, keep=keep)
     newest = find_latest([durable], full=False)
     errors: list[str] = []
     for cand in _candidates(scratch_ckpt, errors):
@@ -108,8 +126,11 @@ def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float
         run = RunDir(durable, lock_timeout=lock_timeout)
         run.lock()
         try:
-            dst = copy_checkpoint(cand.path, run.path)
+            dst = _copy_in(cand.path, run.path, keep)
             verify_checkpoint(dst, full=True)
+            if keep:
+                # Synchronous, unlike a trainer's retention: this child ends with os._exit.
+                apply_retention(run.path, keep, protect=[dst])
         except CheckpointCorrupt:
             continue
         finally:
@@ -118,6 +139,16 @@ def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float
     if errors:
         return StageResult("failed", "unreadable checkpoint(s): " + "; ".join(errors)[:2000])
     return StageResult("none", f"no valid checkpoint in {scratch_ckpt}")
+
+
+def _copy_in(src: Path, durable: Path, keep: int | None) -> Path:
+    """Copy a checkpoint into the durable run dir; with the job's ``keep``, make room
+    on a full disk the way the job's own drain does."""
+
+    def prune() -> list[Path]:
+        return prune_for_space(durable, keep) if keep else []
+
+    return pruned_once(lambda: copy_checkpoint(src, durable), prune, f"staging {src} out to {durable}")
 
 
 def _become(job: Job) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "commit_resilient",
     "mount_for",
     "prune_for_space",
+    "pruned_once",
     "retry_call",
 ]
 
@@ -203,6 +204,22 @@ def prune_for_space(run_dir: Path, keep: int, *, protect: Collection[Path] = ())
     return removed
 
 
+def pruned_once(fn: Callable[[], T], prune: Callable[[], list[Path]], what: str) -> T:
+    """``fn()``; if the disk is full (:class:`NoSpace`), ``prune()`` and, if that
+    freed anything, ``fn()`` once more. The one policy of every writer that can
+    make room: a commit, the tier drain, the shard drain, the epilog's stage-out.
+    """
+    try:
+        return fn()
+    except NoSpace as e:
+        removed = prune()
+        if not removed:
+            raise
+        log.warning("%s: %s; pruned %s and retrying once", what, os.strerror(e.errno or 0),
+                    ", ".join(p.name for p in removed))  # fmt: skip
+        return fn()
+
+
 def commit_resilient(
     run_dirs: Sequence[Target],
     step: int,
@@ -246,12 +263,8 @@ def _commit_one(
     protect: Callable[[], Collection[Path]], sleep: Callable[[float], None], meta: dict[str, Any],
 ) -> Path:  # fmt: skip
     what = f"saving checkpoint {step} in {rd.path}"
-    try:
-        return retry_call(lambda: rd.commit(step, write, **meta), pol, what, path=rd.path, sleep=sleep)
-    except NoSpace as e:
-        removed = prune_for_space(rd.path, keep, protect=[p for p in protect() if p.parent == rd.path])
-        if not removed:
-            raise
-        log.warning("%s: %s; pruned %s and retrying once", what, os.strerror(e.errno or 0),
-                    ", ".join(p.name for p in removed))  # fmt: skip
-        return retry_call(lambda: rd.commit(step, write, **meta), pol, what, path=rd.path, sleep=sleep)
+    return pruned_once(
+        lambda: retry_call(lambda: rd.commit(step, write, **meta), pol, what, path=rd.path, sleep=sleep),
+        lambda: prune_for_space(rd.path, keep, protect=[p for p in protect() if p.parent == rd.path]),
+        what,
+    )

@@ -42,13 +42,13 @@ from typing import Any
 
 import filelock
 
-from ..errors import CheckpointCorrupt, LockHeld, NoSpace, storage_error
+from ..errors import CheckpointCorrupt, LockHeld, storage_error
 from .commit import WriteFn
 from .fsutil import exchange_or_replace_dir, fsync_dir, remove_tree, write_file_durably
 from .layout import list_steps, step_dir
 from .manifest import MANIFEST, Manifest
 from .retention import apply_retention
-from .retry import prune_for_space
+from .retry import prune_for_space, pruned_once
 from .tensorfile import FileRecord
 from .transfer import _copy_file
 from .verify import _crc_file, find_latest, verify_checkpoint
@@ -305,20 +305,18 @@ def stage_shard(shard: LocalShard, durable: Path, *, keep: int | None = None, lo
     extra = dict(man.extra, staged_from=f"{man.host}:{src}")
     meta = {"step": man.step, "time": man.time, "host": man.host, "job_id": man.job_id,
             "world_size": man.world_size, "nbytes": man.nbytes, "extra": extra}  # fmt: skip
-    try:
+
+    def commit() -> Path:
         _mkdirs(stage)
         return _commit_into(stage, shard_name(shard.rank), copy, meta)
-    except NoSpace as e:
+
+    def prune() -> list[Path]:
         if keep is None:
-            raise
+            return []
         with _AssemblyLock(durable, lock_timeout):
-            removed = prune_for_space(durable, keep)
-        if not removed:
-            raise
-        log.warning("staging %s: %s; pruned %s and retrying once", dst, e.strerror,
-                    ", ".join(p.name for p in removed))  # fmt: skip
-        _mkdirs(stage)
-        return _commit_into(stage, shard_name(shard.rank), copy, meta)
+            return prune_for_space(durable, keep)
+
+    return pruned_once(commit, prune, f"staging {dst}")
 
 
 def _verify_file(path: Path, rec: FileRecord) -> None:

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import NoSpace, storage_error
+from ..errors import storage_error
 from .drainer import Drainer
 from .fsutil import fsync_dir, write_file_durably
 from .manifest import MANIFEST
-from .retry import RetryPolicy, prune_for_space, retry_call
+from .retry import RetryPolicy, prune_for_space, pruned_once, retry_call
 from .transfer import copy_checkpoint
 from .verify import find_latest, is_committed
 
@@ -83,10 +83,15 @@ def _same_dir(a: Path, b: Path) -> bool:
         return os.path.abspath(a) == os.path.abspath(b)
 
 
-def write_tier_file(fast: Path, durable: Path) -> None:
-    """Write ``TIER.json`` atomically: the epilog must never read half of it."""
+def write_tier_file(fast: Path, durable: Path, keep: int) -> None:
+    """Write ``TIER.json`` atomically: the epilog must never read half of it.
+
+    It names the durable run dir the epilog stages out to, and the job's
+    ``storage.keep``, with which the stage-out applies retention there and
+    makes room in it when it is full, as the job's own drain does.
+    """
     tmp = fast / f".{TIER_FILE}.{os.getpid()}.tmp"
-    data = json.dumps({"durable": str(durable.absolute())}).encode()
+    data = json.dumps({"durable": str(durable.absolute()), "keep": keep}).encode()
     try:
         tmp.unlink(missing_ok=True)
         write_file_durably(tmp, data)
@@ -145,7 +150,7 @@ class Tiers:
         """Create the fast run dir, write ``TIER.json``, and queue any scratch
         checkpoint newer than the durable tier (left by an earlier run on this node)."""
         self.fast.ensure()
-        write_tier_file(self.fast.path, self.durable.path)
+        write_tier_file(self.fast.path, self.durable.path, self.keep)
         try:
             fast = find_latest([self.fast.path], full=False)
             durable = find_latest([self.durable.path], full=False)
@@ -215,15 +220,8 @@ class Tiers:
     def _copy(self, src: Path) -> Path:
         what = f"copying {src} to {self.durable.path}"
         self.durable.lock()
-        try:
-            dst = retry_call(lambda: copy_checkpoint(src, self.durable.path), self._policy, what)
-        except NoSpace as e:
-            removed = prune_for_space(self.durable.path, self.keep)
-            if not removed:
-                raise
-            log.warning("%s: %s; pruned %s and retrying once", what, e.strerror,
-                        ", ".join(p.name for p in removed))  # fmt: skip
-            dst = retry_call(lambda: copy_checkpoint(src, self.durable.path), self._policy, what)
+        dst = pruned_once(lambda: retry_call(lambda: copy_checkpoint(src, self.durable.path), self._policy, what),
+                          lambda: prune_for_space(self.durable.path, self.keep), what)  # fmt: skip
         self.durable.retain(self.keep, protect=[dst])
         return dst
 

@@ -127,3 +127,43 @@ def test_a_data_file_too_big_for_the_disk_fails_before_any_of_it_is_written(
         monkeypatch.undo()
         ck.save(state(3, 1), step=3)
         assert written == [] and find_latest([run]).step == 3  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("keep", [2, None], ids=["tier-file-with-keep", "older-tier-file"])
+def test_the_epilog_stage_out_makes_room_with_the_jobs_keep(
+    tmpfs: Callable[[str], Path], tmp_path: Path, keep: int | None
+) -> None:
+    """A full durable tier at the job's end: with the job's ``keep`` in TIER.json the
+    epilog's stage-out prunes and applies retention as the job's drain would, so the
+    newest checkpoint gets out; without it the stage-out fails and scratch is kept."""
+    import json
+
+    from slurm_ckpt.node.job import Job
+    from slurm_ckpt.node.stageout import TIER_FILE, read_tier, stage_out
+    from slurm_ckpt.store.tiers import write_tier_file
+
+    durable = tmpfs("8m")
+    with Checkpointer(durable, scratch=False, keep=10) as ck:
+        for step in (10, 20):
+            ck.save(state(step, 3), step)
+    fast = tmp_path / "scratch" / "ckpt"
+    with Checkpointer(fast, scratch=False) as ck:
+        ck.save(state(30, 3), 30)
+    write_tier_file(fast, durable, keep or 3)
+    if keep is None:  # as a writer before TIER.json carried keep wrote it
+        (fast / TIER_FILE).write_text(json.dumps({"durable": str(durable)}))
+    tier = read_tier(fast)
+    assert tier is not None and tier.durable == durable and tier.keep == keep
+
+    job = Job.from_env({"SLURM_JOB_ID": "4243", "SLURM_JOB_UID": "0", "SLURM_JOB_GID": "0",
+                        "SLURM_JOB_USER": "root"})  # fmt: skip
+    res = stage_out(fast, None, job, timeout=60)
+    steps = sorted(p.name for p in durable.glob("step-*"))
+    if keep is None:
+        assert res.status == "failed" and "No space left" in res.detail, res
+        assert not res.scratch_disposable
+        assert steps == ["step-000000010", "step-000000020"] and leftovers(durable) == []
+    else:
+        assert res.status == "staged" and res.step == 30, res
+        assert steps == ["step-000000020", "step-000000030"]  # room made, then retention to keep=2
+        verify_checkpoint(durable / "step-000000030", full=True)

@@ -120,7 +120,7 @@ def test_each_rank_saves_to_its_own_scratch_and_the_drain_assembles_one_checkpoi
     # TIER.json tells each node's epilog where its shards go.
     for r in range(WORLD):
         tier = json.loads((base / f"basic-scratch{r}" / "ckpt" / "TIER.json").read_text())
-        assert tier == {"durable": str(base / "basic")}
+        assert tier == {"durable": str(base / "basic"), "keep": 3}
 
 
 def test_resume_reads_each_rank_its_own_shard_from_scratch_then_from_durable(

@@ -84,7 +84,7 @@ def test_save_commits_to_scratch_then_drains(dirs: tuple[Path, Path]) -> None:
     with Checkpointer(durable, keep=2) as ck:
         assert ck.search_dirs == [scratch / "ckpt", durable]
         tier = json.loads((scratch / "ckpt" / "TIER.json").read_text())
-        assert tier == {"durable": str(durable)}
+        assert tier == {"durable": str(durable), "keep": 2}
         path = ck.save(state(1), step=1)
         assert path == scratch / "ckpt" / "step-000000001"
         assert ck.drain(60) and ck.is_durable(1)
@@ -103,8 +103,8 @@ def test_save_commits_to_scratch_then_drains(dirs: tuple[Path, Path]) -> None:
 def test_tier_file_is_what_the_epilog_reads(dirs: tuple[Path, Path]) -> None:
     stageout = pytest.importorskip("slurm_ckpt.node.stageout")
     scratch, durable = dirs
-    with Checkpointer(durable):
-        assert stageout.read_tier(scratch / "ckpt") == durable
+    with Checkpointer(durable, keep=4):
+        assert stageout.read_tier(scratch / "ckpt") == stageout.Tier(durable, 4)
     assert not [p for p in (scratch / "ckpt").iterdir() if p.name.endswith(".tmp")]
 
 
