@@ -33,17 +33,16 @@ if typing.TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_LAZY = {"Checkpointer": ".checkpointer", "SaveHandle": ".checkpointer"}
+_LAZY = ("Checkpointer", "SaveHandle")
 
 
 def __getattr__(name: str) -> typing.Any:
     # Imported on first use: the Checkpointer brings in the engine and the
-    # stores, two thirds of the CLI's start-up, and the node hooks, which run
-    # before every job, never use it.
+    # stores, and the node hooks, which run before every job, never use it.
     if name in _LAZY:
-        import importlib
+        from . import checkpointer
 
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        value = getattr(checkpointer, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

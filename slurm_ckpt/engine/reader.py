@@ -272,7 +272,6 @@ def _read(
     # on the development VM; ``bench/profile_engine.py`` shows the result).
     crcs: list[tuple[int, int]] = [(0, 0)] * len(items)
     landed: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-
     failed: list[BaseException] = []
 
     def checksummer() -> None:
@@ -287,17 +286,17 @@ def _read(
     # Fresh memory costs a page fault per page on first touch, which the read
     # threads would otherwise take inside each read before the device starts;
     # faulting ahead of them on one more thread overlaps that with the I/O.
-    helpers = [threading.Thread(target=_fault_in, args=(fresh, stop), daemon=True)]
-    helpers += [threading.Thread(target=checksummer, daemon=True) for _ in range(crc_threads() if verify else 0)]
-    for t in helpers:
+    ahead = threading.Thread(target=_fault_in, args=(fresh, stop), daemon=True)
+    summers = [threading.Thread(target=checksummer, daemon=True) for _ in range(crc_threads() if verify else 0)]
+    for t in (ahead, *summers):
         t.start()
     try:
         _parallel(len(items), work, threads)
     finally:
-        for _ in helpers[1:]:
-            landed.put(None)
+        for _ in summers:
+            landed.put(None)  # one stop sign each, after the last read's chunk
         stop.set()
-        for t in helpers:
+        for t in (ahead, *summers):
             t.join()
         if dfd >= 0:
             os.close(dfd)

@@ -76,8 +76,8 @@ class TensorEntry:
 
     @functools.cached_property
     def nbytes(self) -> int:
-        # Cached: the layout asks each tensor several times, and torch's
-        # accessors cost ~0.5 us a call, 25 ms a save for 10,000 tensors.
+        # Cached: the layout asks each tensor for it several times, each
+        # time through two torch accessors.
         return int(self.tensor.numel() * self.tensor.element_size())
 
 

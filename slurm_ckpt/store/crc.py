@@ -38,7 +38,6 @@ except ImportError:
     pass
 
 
-
 def crc_threads() -> int:
     """Threads to checksum beside the I/O threads: half the cores, 1 to 4.
 
