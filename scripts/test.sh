@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it: system packages, venv, lint, types, tests.
+# The whole test suite, as CI runs it: system packages, venv, lint, types, docs, tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-system-deps.sh
@@ -7,4 +7,5 @@ bash scripts/bootstrap.sh
 export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff"; ruff check slurm_ckpt tests bench examples
 echo "== mypy"; mypy
+echo "== docs"; NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet
 echo "== pytest"; pytest "$@"
