@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .dist import shard_manifest
 from .errors import CheckpointCorrupt, ConfigError, ShardError
 from .store import RunDir, Skipped, iter_valid, note_skip
 from .store import shards as sh
@@ -290,7 +289,7 @@ class CrossNode:
                 return ("ok", ""), load(path, shard.manifest), path
             path = Path(ref)
             man = Manifest.read(path)
-            part = shard_manifest(man, self.rank)
+            part = sh.shard_manifest(man, self.rank)
             state = load(path, man) if part is None else load(path / sh.shard_name(self.rank), part)
             return ("ok", ""), state, path
         except ConfigError as e:

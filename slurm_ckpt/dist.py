@@ -44,10 +44,10 @@ from .store import RunDir, Skipped, iter_valid, note_skip
 from .store.commit import WriteFn
 from .store.fsutil import fsync_dir
 from .store.manifest import Manifest
-from .store.shards import SHARD_PREFIX, prefixed, shard_name
+from .store.shards import prefixed, shard_manifest, shard_name
 from .store.tensorfile import FileRecord
 
-__all__ = ["RankInfo", "ShardedRunDir", "rank_info", "shard_manifest"]
+__all__ = ["RankInfo", "ShardedRunDir", "rank_info"]
 
 
 @dataclass(frozen=True)
@@ -81,28 +81,6 @@ def rank_info() -> RankInfo:
     except ValueError:
         rank, world = 0, 1
     return RankInfo(rank, world, "slurm" if "SLURM_PROCID" in os.environ else "single")
-
-
-def shard_manifest(man: Manifest, rank: int) -> Manifest | None:
-    """The part of ``man`` that belongs to ``rank``, with names relative to its shard dir.
-
-    None when the checkpoint has no shards (it was written by one process).
-    """
-    shards = {name.split("/", 1)[0] for name in man.files if name.startswith(SHARD_PREFIX)}
-    if not shards:
-        return None
-    prefix = shard_name(rank) + "/"
-    if prefix[:-1] not in shards:
-        raise ConfigError(
-            f"checkpoint step {man.step} has {len(shards)} shards and no {prefix[:-1]}: "
-            f"it was written by {len(shards)} ranks; resume it with the same number of ranks"
-        )
-    files = {n[len(prefix) :]: r for n, r in man.files.items() if n.startswith(prefix)}
-    tensors = {k[len(prefix) :]: {**v, "file": v["file"][len(prefix) :]}
-               for k, v in man.tensors.items() if k.startswith(prefix)}  # fmt: skip
-    return Manifest(step=man.step, files=files, tensors=tensors, time=man.time, host=man.host,
-                    job_id=man.job_id, world_size=man.world_size, nbytes=man.nbytes,
-                    extra=man.extra)  # fmt: skip
 
 
 class _Group:

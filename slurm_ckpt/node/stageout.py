@@ -28,7 +28,7 @@ from ..store.layout import list_steps
 from ..store.manifest import MANIFEST, Manifest
 from ..store.retention import apply_retention
 from ..store.retry import prune_for_space, pruned_once
-from ..store.shards import plain_files
+from ..store.verify import plain_files
 from .job import Job
 
 __all__ = ["TIER_FILE", "StageResult", "Tier", "read_tier", "stage_out"]

@@ -31,6 +31,9 @@ VERSION = 1
 MANIFEST = "MANIFEST.json"
 MANIFEST_LIMIT = 1 << 30
 """A manifest larger than this is damage, not a checkpoint (and would exhaust memory)."""
+UNTRUSTED_MANIFEST_LIMIT = 64 * 1024**2
+"""The tighter bound for a manifest in a tree its user can write, which the root
+epilog reads: checked before it is parsed (``verify.plain_files``)."""
 _END = b"\n}"
 _SELF_CRC = re.compile(rb',\n "manifest_crc32": "([0-9a-f]{8})"\n\}\n\Z')
 
