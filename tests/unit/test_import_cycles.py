@@ -69,10 +69,12 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     for mod, path in mods.items():
         is_pkg = path.name == "__init__.py"
         here = mod if is_pkg else mod.rpartition(".")[0]
-        targets: set[str] = set()
+        own = set(_ancestors(mod)) | ({mod} if is_pkg else set())
+        # (module, whether a name is read from its namespace)
+        targets: list[tuple[str, bool]] = []
         for node in _runtime_imports(ast.parse(path.read_text(), str(path)).body):
             if isinstance(node, ast.Import):
-                targets.update(a.name for a in node.names)
+                targets += [(a.name, False) for a in node.names]
                 continue
             if node.level:
                 base = here.split(".")
@@ -80,12 +82,17 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
                 src = ".".join(base + ([node.module] if node.module else []))
             else:
                 src = node.module or ""
-            targets.add(src)
-            targets.update(f"{src}.{a.name}" for a in node.names)
-        own = set(_ancestors(mod)) | ({mod} if is_pkg else set())
-        for t in targets:
+            targets.append((src, False))
+            for a in node.names:
+                sub = f"{src}.{a.name}"
+                # ``from pkg import name``: a submodule, or a name pkg's __init__
+                # must have defined already, even when pkg is our own package.
+                targets.append((sub, False) if sub in mods else (src, True))
+        for t, reads in targets:
             for name in [*_ancestors(t), t]:
-                if name in mods and name not in own and name != mod:
+                if name not in mods or name == mod:
+                    continue
+                if name not in own or (reads and name == t):
                     graph[mod].add(name)
     return graph
 
@@ -145,7 +152,7 @@ def test_cycles_are_found(tmp_path: Path) -> None:
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from .sub import b\n")
-    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from . import b\n")
     (pkg / "sub" / "b.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .. import c\n"
         "def f():\n    from .. import a\n"
@@ -153,7 +160,11 @@ def test_cycles_are_found(tmp_path: Path) -> None:
     (pkg / "c.py").write_text("from . import a\n")
     assert cycles(import_graph(pkg)) == []  # only lazy and type-only imports close the loop
     (pkg / "sub" / "b.py").write_text("try:\n    from ..a import x\nexcept ImportError:\n    pass\n")
-    assert cycles(import_graph(pkg)) == [[f"{PACKAGE}.a", f"{PACKAGE}.sub.b"]]
+    assert cycles(import_graph(pkg)) == [[f"{PACKAGE}.a", f"{PACKAGE}.sub", f"{PACKAGE}.sub.b"]]
+    # A name read from the package's own __init__, which imports the module first.
+    (pkg / "sub" / "b.py").write_text("from . import NAME\n")
+    (pkg / "sub" / "__init__.py").write_text("from .b import x\nNAME = 1\n")
+    assert cycles(import_graph(pkg)) == [[f"{PACKAGE}.sub", f"{PACKAGE}.sub.b"]]
 
 
 def test_no_import_cycles() -> None:
