@@ -6,7 +6,7 @@ import getpass
 import os
 from pathlib import Path
 
-from .config import Config
+from .config import Config, job_dir_name
 
 __all__ = ["default_run_dir", "job_id", "scratch_dir", "task_rank", "user_name"]
 
@@ -42,7 +42,7 @@ def default_run_dir(cfg: Config) -> Path:
         return Path(explicit)
     jid = job_id()
     if cfg.storage.root and jid:
-        return Path(cfg.storage.root) / user_name() / f"job_{jid}"
+        return Path(cfg.storage.root) / user_name() / job_dir_name(jid)
     return Path("checkpoints")
 
 

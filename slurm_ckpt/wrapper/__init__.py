@@ -82,12 +82,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .._env import default_run_dir
-from ..config import Config, WrapperConfig
+from ..config import Config, WrapperConfig, job_dir_name
 from ..control import parse_signal
 from ..errors import ConfigError, SlurmError
 from ..node.cgroup import join_io_cgroup
 from ..slurm import SlurmCommandMissing, SlurmEnv
 from ..store import find_latest
+from ..store.tiers import fast_dir
 from .backend import JobBackend, LocalJob, SlurmJob
 from .channel import ControlServer
 from .events import Events
@@ -216,7 +217,7 @@ def _child_env(
     cfg.engine.torch_env(out)
     if not out.get("SLURM_CKPT_SCRATCH") and slurm.job_id and cfg.scratch.base:
         # The prolog's per-job scratch, when the TaskProlog did not export it.
-        guess = Path(cfg.scratch.base) / f"job_{slurm.job_id}"
+        guess = Path(cfg.scratch.base) / job_dir_name(slurm.job_id)
         if guess.is_dir() and os.access(guess, os.W_OK):
             out["SLURM_CKPT_SCRATCH"] = str(guess)
     return out
@@ -226,7 +227,7 @@ def _search_dirs(env: dict[str, str], ckpt_dir: Path) -> list[Path]:
     dirs = [ckpt_dir]
     scratch = env.get("SLURM_CKPT_SCRATCH")
     if scratch:
-        dirs.append(Path(scratch) / "ckpt")
+        dirs.append(fast_dir(Path(scratch)))
     return dirs
 
 
