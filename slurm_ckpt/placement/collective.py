@@ -172,11 +172,21 @@ def _write_shard(
     return ("ok", *prefixed(rank, files, tensors)), None
 
 
+def load_part(path: Path, rank: int, load: Load) -> tuple[Any, Manifest]:
+    """Load ``rank``'s part of the committed checkpoint ``path``: its shard, or the
+    whole checkpoint when it has no shards. Returns (state, the checkpoint's manifest).
+
+    :class:`ConfigError` when the checkpoint has shards but none for ``rank``.
+    """
+    man = Manifest.read(path)
+    part = shard_manifest(man, rank)
+    state = load(path, man) if part is None else load(path / shard_name(rank), part)
+    return state, man
+
+
 def _load_shard(path: Path, rank: int, load: Load) -> tuple[tuple[str, str], Any, Manifest | None]:
     try:
-        man = Manifest.read(path)
-        part = shard_manifest(man, rank)
-        state = load(path, man) if part is None else load(path / shard_name(rank), part)
+        state, man = load_part(path, rank, load)
         return ("ok", ""), state, man
     except ConfigError as e:
         return ("fatal", f"rank {rank}: {e}"), None, None

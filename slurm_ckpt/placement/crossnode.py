@@ -49,6 +49,7 @@ from ..store.retention import apply_retention, discard_checkpoint
 from ..store.tiers import Tiers, write_tier_file
 from ..store.verify import is_committed
 from .base import Load
+from .collective import load_part
 
 __all__ = ["CrossNode"]
 
@@ -289,10 +290,7 @@ class CrossNode:
                 path = shard.path
                 return ("ok", ""), load(path, shard.manifest), path
             path = Path(ref)
-            man = Manifest.read(path)
-            part = sh.shard_manifest(man, self.rank)
-            state = load(path, man) if part is None else load(path / sh.shard_name(self.rank), part)
-            return ("ok", ""), state, path
+            return ("ok", ""), load_part(path, self.rank, load)[0], path
         except ConfigError as e:
             return ("fatal", f"rank {self.rank}: {e}"), None, path
         except (CheckpointCorrupt, OSError, KeyError) as e:
