@@ -90,6 +90,8 @@ def _commit(parent: Path, step: int, write: WriteFn, tmp: Path, final: Path, if_
         except OSError as e:
             raise storage_error(e, "cannot create temp dir", tmp) from e
     else:
+        # A manifest left by a commit into this dir that died before its rename
+        # (harmless: discovery never reads it); the new one is created O_EXCL.
         (tmp / MANIFEST).unlink(missing_ok=True)
     try:
         # 1-2. Data into the temp dir; the writer fsyncs each file, because a
