@@ -2,7 +2,7 @@
 
 ``Collective`` commits a sharded checkpoint into one temp dir that every rank
 sees. With the prolog's scratch on each node no such dir exists, so when any
-rank has scratch the save goes this way instead (layout: ``store/shards.py``):
+rank has scratch the save goes this way instead (layout: ``store/shards/``):
 
 1. rank 0 picks a ``save_id`` for the save and broadcasts it;
 2. each rank commits its shard on its own node: ``<scratch>/ckpt/rank-K/step-N``
