@@ -109,12 +109,23 @@ class StorageConfig:
     """Copy checkpoints from node-local scratch to the durable run dir in the background while
     the job runs; false leaves that to the epilog's stage-out after the job (no checkpoint
     traffic on shared storage during training, but only scratch holds them until then)."""
+    stage_out_roots: tuple[str, ...] = ()
+    """Dirs the epilog's stage-out may write under: a job's TIER.json naming a durable run
+    dir elsewhere is refused (its checkpoint goes to <root>/<user>/job_<id>); empty: root only."""
 
     def validate(self) -> None:
         if self.keep < 1:
             raise ConfigError("storage.keep must be at least 1")
         if self.on_async_error not in ("raise", "warn"):
             raise ConfigError("storage.on_async_error must be 'raise' or 'warn'")
+        for root in self.stage_out_roots:
+            if not root.startswith("/") or "\0" in root:
+                raise ConfigError(f"storage.stage_out_roots: {root!r} is not an absolute path")
+
+    def stage_out_allowed(self) -> tuple[str, ...]:
+        """Where stage-out may write: ``stage_out_roots``, else ``root``, else nowhere."""
+        roots = self.stage_out_roots or ((self.root,) if self.root else ())
+        return tuple(os.path.normpath(r) for r in roots)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from .ledger import Ledger
 from .mounts import cgroup_mount, mount_of
 from .report import report_path
 from .scratch import open_base, open_state_dir, remove_job_dir
-from .stageout import StageResult, stage_out
+from .stageout import StageLimits, StageResult, stage_out
 
 __all__ = ["run_epilog"]
 
@@ -70,7 +70,8 @@ def _stage_and_clean(ctx: HookContext, base_fd: int) -> StageResult | None:
         _remove_report(ctx)
         return None
     if os.path.lexists(ctx.scratch / "ckpt"):
-        result = stage_out(ctx.scratch / "ckpt", ctx.default_durable, job, ctx.deadline.left(CLEANUP_RESERVE))
+        result = stage_out(ctx.scratch / "ckpt", ctx.default_durable, job, ctx.deadline.left(CLEANUP_RESERVE),
+                           _stage_limits(ctx, base_fd, ledger))  # fmt: skip
     else:
         result = StageResult("none", "no ckpt dir in scratch")
     log.info("stage-out %s: %r", result.status, result.detail)
@@ -91,6 +92,25 @@ def _stage_and_clean(ctx: HookContext, base_fd: int) -> StageResult | None:
     ledger.release(job.job_id)
     _remove_report(ctx)
     return result
+
+
+def _open_job_dir(ctx: HookContext, base_fd: int) -> int:
+    return os.open(ctx.job.dir_name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=base_fd)
+
+
+def _stage_limits(ctx: HookContext, base_fd: int, ledger: Ledger) -> StageLimits:
+    """Where the stage-out may write (never on scratch), and how far a sparse checkpoint may grow."""
+    devs = {os.fstat(base_fd).st_dev}
+    vfs = os.fstatvfs(base_fd)
+    with contextlib.suppress(OSError):
+        fd = _open_job_dir(ctx, base_fd)
+        try:
+            devs.add(os.fstat(fd).st_dev)  # its own filesystem under enforce: loop
+            vfs = os.fstatvfs(fd)
+        finally:
+            os.close(fd)
+    reserved = int(ledger.entries().get(ctx.job.job_id, {}).get("size", 0))
+    return StageLimits(ctx.cfg.storage.stage_out_allowed(), frozenset(devs), reserved or vfs.f_blocks * vfs.f_frsize)
 
 
 def _remove_report(ctx: HookContext) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config, load_config
+from .escape import OneLineFormatter
 from .job import Job
 from .scratch import STATE_DIR
 
@@ -36,11 +37,12 @@ class Deadline:
 def setup_logging(hook: str, job_id: str) -> None:
     """One line per event on stderr, which the shims append to the hook log.
 
-    Slurm discards hook output, so the shim's log file is the only record.
+    Slurm discards hook output, so the shim's log file is the only record;
+    records quote user data, so each is escaped onto one bounded line.
     """
     logger = logging.getLogger("slurm_ckpt")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(
+    handler.setFormatter(OneLineFormatter(
         f"%(asctime)s slurm-ckpt {hook}[%(process)d] job {job_id}: %(levelname)s: %(message)s"))  # fmt: skip
     logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO)

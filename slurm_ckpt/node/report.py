@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JobReport", "report_path", "task_prolog_lines"]
+from .escape import escape
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+__all__ = ["JobReport", "report_path", "task_prolog_lines"]
 
 
 def report_path(state_dir: Path, job_id: str) -> Path:
@@ -64,7 +63,7 @@ class JobReport:
 def _line(text: str) -> str:
     # One line each: slurmstepd reads the TaskProlog's output line by line, and a
     # newline smuggled in through a job field must not become an `export`.
-    return _CONTROL.sub(" ", text).strip()
+    return escape(text).strip()
 
 
 def task_prolog_lines(report: JobReport | None, first_task: bool) -> list[str]:

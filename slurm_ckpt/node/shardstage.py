@@ -24,7 +24,7 @@ from pathlib import Path
 from ..errors import CheckpointCorrupt
 from ..store import shards as sh
 from ..store.manifest import Manifest
-from .stageout import StageResult
+from .stageout import StageResult, sparse_excess
 
 __all__ = ["has_shards", "stage_shards"]
 
@@ -62,11 +62,14 @@ def has_shards(scratch_ckpt: Path) -> bool:
     return bool(_rank_dirs(scratch_ckpt))
 
 
-def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float, *, keep: int | None = None) -> StageResult:
+def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float, *, keep: int | None = None,
+                 sparse_bytes: int | None = None) -> StageResult:  # fmt: skip
     """Stage every shard on this node that the durable tier still needs. Never raises.
 
     ``keep`` (the job's, from ``TIER.json``): make room on a full durable tier
     and apply retention after an assembly, as the job's own drain does.
+    ``sparse_bytes``: a shard stored sparse that would be written out larger
+    than this is not staged (see :func:`sparse_excess`).
     """
     start = time.monotonic()
     try:
@@ -91,6 +94,9 @@ def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float, *, keep
                 break  # another node's epilog completed a newer one meanwhile
             name = f"{sh.shard_name(shard.rank)} step {shard.step}"
             try:
+                if sparse_bytes is not None and (why := sparse_excess(shard.path, shard.manifest, sparse_bytes)):
+                    errors.append(why)
+                    continue
                 sh.stage_shard(shard, durable, keep=keep, lock_timeout=lock_timeout)
                 done = sh.complete(
                     durable,

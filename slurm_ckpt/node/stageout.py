@@ -1,43 +1,63 @@
 """Epilog stage-out: the newest checkpoint that exists only on scratch goes to the durable run dir.
 
-Root forks a child that takes the job user's uid, gid and groups before it
-reads anything the user wrote. Everything the child opens, it opens with the
-user's rights, so a hardlink to a root-only file, or a symlink to another
-user's dir, fails as it would for the user. The copy goes through
-:func:`slurm_ckpt.store.copy_checkpoint` (checksummed while copied, committed
-with the store's protocol) and is verified again in full before it counts.
+Root forks a child that closes every fd root opened, then takes the job
+user's uid, gid and groups before it reads anything the user wrote.
+Everything the child opens, it opens with the user's rights, so a hardlink to
+a root-only file, or a symlink to another user's dir, fails as it would for
+the user. The destination must be an allowed one (see :mod:`.destination`).
+Both sides get the same screens: a manifest of bounded size, regular files
+only. The copy goes through :func:`slurm_ckpt.store.copy_checkpoint`
+(checksummed while copied, committed with the store's protocol) and is
+verified again in full before it counts.
+
+The child's output is captured through a pipe and capped; the parent logs it
+line by line, escaped, and never lets it reach the hook log as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
 import os
 import resource
 import select
 import signal
 import stat
+import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import NoReturn
 
 from ..errors import CheckpointCorrupt, SlurmCkptError
-from ..store import Candidate, RunDir, copy_checkpoint, find_latest, verify_checkpoint
+from ..store import Candidate, RunDir, copy_checkpoint, verify_checkpoint
 from ..store.fsutil import read_small
 from ..store.layout import list_steps
 from ..store.manifest import MANIFEST, Manifest
 from ..store.retention import apply_retention
 from ..store.retry import prune_for_space, pruned_once
 from ..store.shards import plain_files
+from .destination import Destination, open_destination
+from .escape import FIELD_LIMIT, OneLineFormatter, escape
 from .job import Job
 
-__all__ = ["TIER_FILE", "StageResult", "Tier", "read_tier", "stage_out"]
+__all__ = ["TIER_FILE", "StageLimits", "StageResult", "Tier", "read_tier", "sparse_excess", "stage_out"]
+
+log = logging.getLogger("slurm_ckpt.node")
 
 TIER_FILE = "TIER.json"
 _MAX_TIER = 64 * 1024
 _MAX_KEEP = 1_000_000
 STAGE_MEMORY = 4 * 1024**3
 """Address-space limit of the stage-out child (bytes)."""
+OUTPUT_LIMIT = 16 * 1024
+"""Bytes of the child's output (its log records) that reach the hook log."""
+_RESULT_LIMIT = 64 * 1024
+_SPARSE_SLACK = 1024**2
+_STATUSES = ("staged", "up-to-date", "none", "failed", "timeout")
 _DONE = ("staged", "up-to-date", "none")
 
 
@@ -53,6 +73,51 @@ class StageResult:
     def scratch_disposable(self) -> bool:
         """True when deleting scratch loses no checkpoint that exists nowhere else."""
         return self.status in _DONE
+
+    @classmethod
+    def from_child(cls, data: bytes) -> StageResult:
+        """The child's JSON result, checked field by field; a bad one is a failure."""
+        try:
+            doc = json.loads(data)
+            status, detail, step, path = doc["status"], doc["detail"], doc["step"], doc["path"]
+        except (ValueError, TypeError, KeyError):
+            return cls("failed", "the stage-out child died without a result")
+        if status not in _STATUSES or not isinstance(detail, str):
+            return cls("failed", "the stage-out child sent a malformed result")
+        return cls(status, escape(detail, 2 * FIELD_LIMIT), step if type(step) is int else None,
+                   escape(path) if isinstance(path, str) else None)  # fmt: skip
+
+
+class _ShownPaths(logging.Filter):
+    """In the child's records, a destination's fd path is written as the path the job named."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dests: list[Destination] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.dests:
+            msg = record.getMessage()
+            for dest in self.dests:
+                msg = dest.show(msg)
+            record.msg, record.args = msg, None
+        return True
+
+
+_SHOWN = _ShownPaths()
+
+
+@dataclass(frozen=True)
+class StageLimits:
+    """What the epilog allows the stage-out to write, and where."""
+
+    roots: tuple[str, ...]
+    """A durable run dir must lie under one of these (``storage.stage_out_allowed()``)."""
+    scratch_devs: frozenset[int]
+    """``st_dev`` of the scratch filesystems: never a destination."""
+    sparse_bytes: int
+    """Most bytes a checkpoint stored sparse on scratch may become when copied out dense
+    (the job's reservation): past that, holes would turn into real blocks on shared storage."""
 
 
 @dataclass(frozen=True)
@@ -85,17 +150,18 @@ def read_tier(scratch_ckpt: Path) -> Tier | None:
     return Tier(Path(os.path.normpath(durable)), keep)
 
 
-def _candidates(scratch_ckpt: Path, errors: list[str]) -> Iterator[Candidate]:
-    """Checkpoints on scratch that look valid, newest first (sizes and headers checked).
+def _screened(run_dir: Path, errors: list[str]) -> Iterator[Candidate]:
+    """Checkpoints in ``run_dir`` that look valid, newest first (sizes and headers checked).
 
-    A corrupt one is skipped. One that cannot be read (EIO, EACCES) is skipped
-    too but noted in ``errors``: it might be good, so scratch must be kept.
+    The screen runs before the store opens anything: the manifest a regular
+    file of bounded size, every file it names a regular file. A corrupt
+    checkpoint is skipped. One that cannot be read (EIO, EACCES) is skipped too
+    but noted in ``errors``: it might be good, so scratch must be kept.
     """
-    for step, path in list_steps(scratch_ckpt):
+    for step, path in list_steps(run_dir):
         try:
             if not stat.S_ISDIR(os.lstat(path).st_mode) or not plain_files(path, [MANIFEST]):
                 continue
-            # Screen every file the manifest names before the store opens any of them.
             if not plain_files(path, list(Manifest.read(path).files)):
                 continue
             man = verify_checkpoint(path, full=False)
@@ -107,23 +173,67 @@ def _candidates(scratch_ckpt: Path, errors: list[str]) -> Iterator[Candidate]:
         yield Candidate(step, path, man)
 
 
-def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float) -> StageResult:
+def sparse_excess(path: Path, man: Manifest, limit: int) -> str | None:
+    """Why checkpoint ``path`` may not be copied out dense, or None.
+
+    A copy writes every byte of a file's apparent size. Holes in a sparse
+    file cost scratch nothing, so a job could ask for far more than it ever
+    stored: past ``limit`` (its reservation), only what it really stored on
+    scratch may be written out.
+    """
+    apparent = stored = 0
+    for name in man.files:
+        st = os.lstat(path / name)
+        apparent += st.st_size
+        stored += st.st_blocks * 512
+    if apparent <= max(limit, stored) + _SPARSE_SLACK:
+        return None
+    return (f"{path}: sparse files of {apparent} bytes ({stored} stored on scratch) would be written out "
+            f"dense, more than the job's reservation of {limit} bytes; not staged")  # fmt: skip
+
+
+def _stage(scratch_ckpt: Path, default_durable: Path | None, limits: StageLimits, lock_timeout: float) -> StageResult:
     tier = read_tier(scratch_ckpt)
-    durable, keep = (tier.durable, tier.keep) if tier else (default_durable, None)
-    if durable is None:
+    wanted = [tier.durable] if tier else []
+    if default_durable is not None and Path(os.path.normpath(default_durable)) not in wanted:
+        wanted.append(Path(os.path.normpath(default_durable)))
+    if not wanted:
         return StageResult("failed", "no durable run dir: no TIER.json and no storage.root")
+    keep = tier.keep if tier else None
     # Imported here: only the stage-out child needs it, not every prolog.
     from .shardstage import has_shards, stage_shards
 
     if has_shards(scratch_ckpt):
         # A cross-node sharded job: this node's shards go to the durable staging dirs.
-        return stage_shards(scratch_ckpt, durable, lock_timeout, keep=keep)
-    newest = find_latest([durable], full=False)
+        dest, refused = _destination(wanted, limits)
+        if dest is None:
+            return StageResult("failed", refused)
+        res = stage_shards(scratch_ckpt, dest.path, lock_timeout, keep=keep, sparse_bytes=limits.sparse_bytes)
+        return _shown(res, dest, refused)
     errors: list[str] = []
-    for cand in _candidates(scratch_ckpt, errors):
+    candidates = _screened(scratch_ckpt, errors)
+    first = next(candidates, None)
+    if first is None:
+        if errors:
+            return StageResult("failed", "unreadable checkpoint(s): " + "; ".join(errors))
+        return StageResult("none", f"no valid checkpoint in {scratch_ckpt}")
+    dest, refused = _destination(wanted, limits)
+    if dest is None:
+        return StageResult("failed", refused)
+    newest = next(_screened(dest.path, []), None)
+    for cand in (first, *candidates):
         if newest is not None and newest.step >= cand.step:
-            return StageResult("up-to-date", f"{durable} has step {newest.step}", newest.step, str(newest.path))
-        run = RunDir(durable, lock_timeout=lock_timeout)
+            return _shown(StageResult("up-to-date", f"{dest.path} has step {newest.step}", newest.step,
+                                      str(newest.path)), dest, refused)  # fmt: skip
+        try:
+            why = sparse_excess(cand.path, cand.manifest, limits.sparse_bytes)
+        except OSError as e:
+            why = f"{cand.path}: {e}"
+        if why:
+            log.warning("%s", why)
+            errors.append(why)
+            continue
+        run = RunDir(dest.path, lock_timeout=lock_timeout)
         run.lock()
         try:
             dst = _copy_in(cand.path, run.path, keep)
@@ -135,10 +245,30 @@ def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float
             continue
         finally:
             run.unlock()
-        return StageResult("staged", f"{cand.path} -> {dst}", cand.step, str(dst))
+        passed = f" (newer ones passed over: {'; '.join(errors)})" if errors else ""
+        return _shown(StageResult("staged", f"{cand.path} -> {dst}{passed}", cand.step, str(dst)), dest, refused)
     if errors:
-        return StageResult("failed", "unreadable checkpoint(s): " + "; ".join(errors)[:2000])
+        return StageResult("failed", "checkpoint(s) not staged: " + "; ".join(errors))
     return StageResult("none", f"no valid checkpoint in {scratch_ckpt}")
+
+
+def _destination(wanted: list[Path], limits: StageLimits) -> tuple[Destination | None, str]:
+    """The first of ``wanted`` (TIER.json's, then the default) that is allowed; why others were refused."""
+    refused: list[str] = []
+    for path in wanted:
+        dest, why = open_destination(path, limits.roots, limits.scratch_devs)
+        if dest is not None:
+            _SHOWN.dests.append(dest)
+            return dest, "; ".join(refused)
+        log.warning("not staging to %s: %s", escape(path), why)
+        refused.append(f"{path}: {why}")
+    return None, "no allowed durable run dir: " + "; ".join(refused)
+
+
+def _shown(res: StageResult, dest: Destination, refused: str) -> StageResult:
+    """``res`` with the destination's real name for its fd path, and what was refused first."""
+    detail = dest.show(res.detail) + (f" (refused {refused})" if refused else "")
+    return replace(res, detail=detail, path=dest.show(res.path) if res.path else None)
 
 
 def _copy_in(src: Path, durable: Path, keep: int | None) -> Path:
@@ -151,15 +281,59 @@ def _copy_in(src: Path, durable: Path, keep: int | None) -> Path:
     return pruned_once(lambda: copy_checkpoint(src, durable), prune, f"staging {src} out to {durable}")
 
 
-def _become(job: Job) -> None:
+def _keep_only(out_fd: int, result_fd: int) -> None:
+    """Close every fd but stdin (/dev/null), stdout and stderr (``out_fd``) and fd 3 (``result_fd``).
+
+    Root opened the others (the scratch base, the hook log, a lock): none of
+    them may stay open in a process that runs as the user.
+    """
+    # Above 3 first, so that the dup2 calls below cannot clobber one with the other.
+    out = fcntl.fcntl(out_fd, fcntl.F_DUPFD, 10)
+    res = fcntl.fcntl(result_fd, fcntl.F_DUPFD, 10)
+    null = os.open(os.devnull, os.O_RDONLY)
+    for src, dst in ((null, 0), (out, 1), (out, 2), (res, 3)):
+        os.dup2(src, dst)
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) > 3:
+            with contextlib.suppress(OSError):  # the listing's own fd, closed already
+                os.close(int(name))
+
+
+def _become(job: Job, groups: list[int]) -> None:
     """Take the job user's identity for good (real, effective and saved ids)."""
-    os.setgroups(os.getgrouplist(job.user, job.gid))
+    os.setgroups(groups)
     os.setresgid(job.gid, job.gid, job.gid)
     os.setresuid(job.uid, job.uid, job.uid)
     os.umask(0o077)
     os.chdir("/")
     # This child runs outside the job's cgroup: bound what user data can make it allocate.
     resource.setrlimit(resource.RLIMIT_AS, (STAGE_MEMORY, STAGE_MEMORY))
+
+
+def _child(scratch_ckpt: Path, default_durable: Path | None, job: Job, groups: list[int],
+           limits: StageLimits, timeout: float, out_fd: int, result_fd: int) -> NoReturn:  # fmt: skip
+    try:
+        _keep_only(out_fd, result_fd)
+        _become(job, groups)
+        # Records go to the pipe the parent reads, one escaped line each; never to root's log.
+        stream = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+        sys.stdout = sys.stderr = stream
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(OneLineFormatter("%(levelname)s: %(message)s"))
+        handler.addFilter(_SHOWN)
+        for name in ("slurm_ckpt", ""):  # ours, and the root logger others propagate to
+            logging.getLogger(name).handlers[:] = [handler]
+        res = _stage(scratch_ckpt, default_durable, limits, min(10.0, timeout / 2))
+    except (SlurmCkptError, OSError) as e:
+        res = StageResult("failed", f"{type(e).__name__}: {escape(e)}")
+    except BaseException as e:  # reported to the parent, which logs it
+        res = StageResult("failed", f"unexpected {type(e).__name__}: {escape(e)}")
+    try:
+        sys.stderr.flush()
+        res = replace(res, detail=escape(res.detail, 2 * FIELD_LIMIT))
+        os.write(3, json.dumps(asdict(res)).encode()[:_RESULT_LIMIT])
+    finally:
+        os._exit(0)
 
 
 def _reap(pid: int, wait: float) -> None:
@@ -169,45 +343,68 @@ def _reap(pid: int, wait: float) -> None:
         time.sleep(0.01)
 
 
-def stage_out(scratch_ckpt: Path, default_durable: Path | None, job: Job, timeout: float) -> StageResult:
+def _collect(pid: int, result_fd: int, out_fd: int, timeout: float) -> tuple[bytes | None, bytes, int]:
+    """Read the child's result and output until both end; (None, ...) if ``timeout`` passes first.
+
+    Returns (result, the first OUTPUT_LIMIT bytes of output, bytes of output dropped).
+    Output past the cap is read and thrown away, so a chatty child never blocks on it.
+    """
+    result, output, dropped = b"", b"", 0
+    open_fds = {result_fd, out_fd}
+    deadline = time.monotonic() + timeout
+    while open_fds:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None, output, dropped
+        for fd in select.select(list(open_fds), [], [], left)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                open_fds.discard(fd)
+            elif fd == result_fd:
+                result = (result + chunk)[:_RESULT_LIMIT]
+            else:
+                room = max(0, OUTPUT_LIMIT - len(output))
+                output += chunk[:room]
+                dropped += len(chunk) - min(room, len(chunk))
+    return result, output, dropped
+
+
+def _relay(output: bytes, dropped: int) -> None:
+    """Log the child's captured records, each escaped at its own level (WARNING if it has none)."""
+    for line in output.decode("utf-8", "backslashreplace").splitlines():
+        level, sep, msg = line.partition(": ")
+        lvl = logging.getLevelName(level) if sep else None
+        if not isinstance(lvl, int):
+            lvl, msg = logging.WARNING, line
+        log.log(lvl, "stage-out: %s", escape(msg))
+    if dropped:
+        log.warning("stage-out: %d more bytes of its output dropped", dropped)
+
+
+def stage_out(scratch_ckpt: Path, default_durable: Path | None, job: Job, timeout: float,
+              limits: StageLimits) -> StageResult:  # fmt: skip
     """Stage out as ``job``'s user within ``timeout`` seconds; never raises.
 
     On timeout the child is killed and the result says so: the caller then
     keeps scratch, because it may hold the only copy.
     """
-    r, w = os.pipe()
+    groups = os.getgrouplist(job.user, job.gid)  # here: no name service lookups in the forked child
+    result_r, result_w = os.pipe()
+    out_r, out_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns
-        os.close(r)
-        try:
-            _become(job)
-            res = _stage(scratch_ckpt, default_durable, min(10.0, timeout / 2))
-        except (SlurmCkptError, OSError) as e:
-            res = StageResult("failed", f"{type(e).__name__}: {e}")
-        except BaseException as e:  # reported to the parent, which logs it
-            res = StageResult("failed", f"unexpected {type(e).__name__}: {e}")
-        try:
-            os.write(w, json.dumps(asdict(res)).encode()[:60000])
-        finally:
-            os._exit(0)
-    os.close(w)
-    data = b""
-    deadline = time.monotonic() + timeout
+        _child(scratch_ckpt, default_durable, job, groups, limits, timeout, out_w, result_w)
+    os.close(result_w)
+    os.close(out_w)
     try:
-        while (left := deadline - time.monotonic()) > 0:
-            if select.select([r], [], [], left)[0]:
-                chunk = os.read(r, 65536)
-                if not chunk:
-                    break
-                data += chunk
-        else:
+        result, output, dropped = _collect(pid, result_r, out_r, timeout)
+        if result is None:
             os.kill(pid, signal.SIGKILL)
-            _reap(pid, 5.0)
-            return StageResult("timeout", f"stage-out still running after {timeout:.0f}s; killed")
-        _reap(pid, 5.0)
     finally:
-        os.close(r)
-    try:
-        return StageResult(**json.loads(data))
-    except (ValueError, TypeError):
-        return StageResult("failed", "the stage-out child died without a result")
+        os.close(result_r)
+        os.close(out_r)
+    _reap(pid, 5.0)
+    _relay(output, dropped)
+    if result is None:
+        return StageResult("timeout", f"stage-out still running after {timeout:.0f}s; killed")
+    return StageResult.from_child(result)

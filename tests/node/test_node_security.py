@@ -31,9 +31,9 @@ def fingerprint(path: Path) -> list[tuple[str, int, int, int, int]]:
 
 
 @pytest.fixture
-def site(pub_tmp: Path, user: User, other_user: User) -> dict[str, Path]:
+def site(pub_tmp: Path, scratch_base: Path, user: User, other_user: User) -> dict[str, Path]:
     """Scratch, durable root with both users' dirs, and a victim dir of the other user."""
-    base, root = pub_tmp / "scratch", pub_tmp / "shared"
+    base, root = scratch_base, pub_tmp / "shared"
     owned_tree(root / user.name, user)
     victim = root / other_user.name
     owned_tree(victim, other_user)
@@ -72,15 +72,17 @@ def test_a_checkpoint_whose_file_the_user_cannot_read_is_not_copied(site: dict[s
     step = write_ckpt(job / "ckpt", 1, owner=user)
     # A hardlink to a root-only file with exactly the bytes the manifest wants:
     # as a checkpoint it is perfect, but the user may not read it.
-    data = step / "state.json"
-    site["secret"].write_bytes(data.read_bytes())
+    # (The root-only file lies on the job's own scratch filesystem: a hardlink cannot cross.)
+    data, secret = step / "state.json", job / "root-secret"
+    secret.write_bytes(data.read_bytes())
+    secret.chmod(0o600)
     data.unlink()
-    os.link(site["secret"], data)
+    os.link(secret, data)
     res = epilog(site, user, "12")
     assert res is not None and res.status == "failed" and "Permission denied" in res.detail
     assert list_steps(site["root"] / user.name / "job_12") == []
     assert not list((site["root"] / user.name).rglob("state.json"))
-    assert os.lstat(site["secret"]).st_uid == 0 and stat.S_IMODE(os.lstat(site["secret"]).st_mode) == 0o600
+    assert os.lstat(secret).st_uid == 0 and stat.S_IMODE(os.lstat(secret).st_mode) == 0o600
     assert job.exists()  # kept: its checkpoint could not be staged
 
 
@@ -119,14 +121,16 @@ def test_hostile_tier_json(site: dict[str, Path], user: User) -> None:
             tier_path.write_text(json.dumps(tier))
         res = epilog(site, user, job_id)
         assert res is not None
-        if job_id in ("14", "15"):
-            # Written as the user: the other user's dir and /etc refuse it; scratch kept.
+        if job_id == "14":
+            # Under storage.root, but written as the user: the other user's dir refuses it; scratch kept.
             assert res.status == "failed" and "Permission denied" in res.detail
             assert job.exists()
         else:
-            # Not a usable absolute path: the default durable dir is used.
+            # Outside storage.root (refused), or not a usable absolute path: the default durable dir is used.
             assert res.status == "staged" and str(site["root"] / user.name / f"job_{job_id}") in str(res.path)
             assert not job.exists()
+            if job_id == "15":
+                assert "refused /etc/slurm-ckpt-pwned: not under a stage-out root" in res.detail
     assert not Path("/etc/slurm-ckpt-pwned").exists()
     assert {p: fingerprint(p) for p in before} == before
 
@@ -147,7 +151,7 @@ def test_hostile_job_fields_create_nothing(site: dict[str, Path], user: User, en
     full = user.env("20") | env
     assert run_prolog(full, cfg) is None
     assert run_epilog(full, cfg) is None
-    assert not site["base"].exists() and not Path("/tmp/pwned").exists()
+    assert os.listdir(site["base"]) == [] and not Path("/tmp/pwned").exists()
 
 
 @pytest.mark.parametrize("comment", ["ckpt_scratch=-1G", "ckpt_scratch=" + "9" * 400 + "T",

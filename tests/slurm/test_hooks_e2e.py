@@ -57,11 +57,16 @@ print("done", flush=True)
 
 
 def install_hooks(d: Path, base: Path, root: Path) -> None:
-    """The README's install step (scripts/install-hooks.sh) into ``d``, with a test config."""
+    """The README's install step (scripts/install-hooks.sh) into ``d``, with a test config.
+
+    The stage-out may write anywhere in the test's workdir (``d``'s parent), where the
+    tests' jobs put their SLURM_CKPT_DIR, as well as under ``root``.
+    """
     config = d.with_name("config.yaml")
     config.write_text(
         f"scratch:\n  base: {base}\n  default_size: 16M\n  min_size: 1M\n  headroom: 64M\n"
         f"  prolog_timeout: 15\n  epilog_timeout: 40\nstorage:\n  root: {root}\n"
+        f"  stage_out_roots: [{root}, {d.parent}]\n"
     )
     subprocess.run(["bash", str(REPO / "scripts" / "install-hooks.sh"), "--dest", str(d),
                     "--bin", str(Path(sys.executable).with_name("slurm-ckpt")), "--config", str(config),
