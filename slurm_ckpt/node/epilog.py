@@ -23,7 +23,7 @@ from .job import InvalidJob
 from .ledger import Ledger
 from .mounts import cgroup_mount, mount_of
 from .report import report_path
-from .scratch import open_base, open_state_dir, remove_job_dir
+from .scratch import open_state_dir, remove_job_dir
 from .stageout import StageLimits, StageResult, stage_out
 
 __all__ = ["run_epilog"]
@@ -42,7 +42,7 @@ def run_epilog(env: Mapping[str, str] | None = None, cfg: Config | None = None) 
     except (ConfigError, InvalidJob) as e:
         log.error("epilog skipped: %s", e)
         return None
-    base_fd = open_base(str(ctx.base))
+    base_fd = ctx.open_base()
     try:
         os.close(open_state_dir(base_fd))
         result = _stage_and_clean(ctx, base_fd)

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config, load_config
+from ..errors import StorageError
 from .escape import OneLineFormatter
 from .job import Job
-from .scratch import STATE_DIR
+from .scratch import STATE_DIR, open_base
 
 __all__ = ["Deadline", "HookContext", "load_context", "setup_logging"]
 
@@ -66,6 +67,14 @@ class HookContext:
     @property
     def scratch(self) -> Path:
         return self.base / self.job.dir_name
+
+    def open_base(self) -> int:
+        """An fd of the scratch base; if it is unusable, a node fault: logged, then raised."""
+        try:
+            return open_base(str(self.base))
+        except StorageError as e:
+            log.error("node fault (Slurm drains this node): %s", e)
+            raise
 
     @property
     def default_durable(self) -> Path | None:

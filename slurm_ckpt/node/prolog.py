@@ -30,7 +30,7 @@ from .job import InvalidJob, comment_size
 from .ledger import Ledger
 from .mounts import block_device, cgroup_mount, mount_of
 from .report import JobReport
-from .scratch import make_job_dir, open_base, open_state_dir
+from .scratch import make_job_dir, open_state_dir
 from .space import check_shared
 
 __all__ = ["run_prolog"]
@@ -48,7 +48,7 @@ def run_prolog(env: Mapping[str, str] | None = None, cfg: Config | None = None) 
     except (ConfigError, InvalidJob) as e:
         log.error("prolog skipped, the job runs without slurm-ckpt scratch: %s", e)
         return None
-    base_fd = open_base(str(ctx.base))  # a node fault if this fails: let it drain the node
+    base_fd = ctx.open_base()
     try:
         state_fd = open_state_dir(base_fd)
         try:

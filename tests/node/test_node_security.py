@@ -164,3 +164,48 @@ def test_hostile_sizes_give_warnings_and_the_default(site: dict[str, Path], user
     assert report.warnings and all("\n" not in w for w in report.warnings)
     assert run_epilog(user.env("21"), cfg) is not None
     assert not (site["base"] / "job_21").exists()
+
+@pytest.mark.parametrize("case", ["base is a symlink", "parent owned by the user", "parent group-writable",
+                                  "base world-writable and sticky", "user's symlink in a sticky dir"])  # fmt: skip
+def test_a_scratch_base_that_is_not_roots_alone_is_a_node_fault(pub_tmp: Path, user: User, case: str,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from slurm_ckpt.errors import StorageError
+
+    real = pub_tmp / "real"
+    real.mkdir()
+    link = Path("/tmp") / f"sckt-{user.name}-base"
+    if case == "base is a symlink":
+        base = pub_tmp / "base"
+        base.symlink_to(real)
+    elif case == "parent owned by the user":
+        owned_tree(pub_tmp / "p", user)
+        base = pub_tmp / "p" / "base"
+    elif case == "parent group-writable":
+        (pub_tmp / "p").mkdir(mode=0o775)
+        (pub_tmp / "p").chmod(0o775)
+        base = pub_tmp / "p" / "base"
+    elif case == "base world-writable and sticky":
+        base = real
+        base.chmod(0o1777)
+    else:
+        user.run("ln", "-s", str(real), str(link))
+        base = link / "base"
+    try:
+        cfg = make_cfg(base)
+        for hook in (run_prolog, run_epilog):
+            with pytest.raises(StorageError, match="scratch base unusable"):
+                hook(user.env("24"), cfg)
+        err = capsys.readouterr().err
+        assert err.count("ERROR: node fault (Slurm drains this node): scratch base unusable") == 2, err
+        assert not [p for p in real.rglob("*") if p.name != "base"]  # nothing made in the target
+    finally:
+        link.unlink(missing_ok=True)
+
+
+def test_a_root_owned_symlink_above_the_base_is_followed(pub_tmp: Path, user: User) -> None:
+    (pub_tmp / "nvme").mkdir()
+    (pub_tmp / "local").symlink_to("nvme")  # e.g. /local -> /nvme, made by the admin
+    cfg = make_cfg(pub_tmp / "local" / "slurm-ckpt")
+    report = run_prolog(user.env("25"), cfg)
+    assert report is not None and (pub_tmp / "nvme" / "slurm-ckpt" / "job_25").is_dir()
+    run_epilog(user.env("25"), cfg)

@@ -143,3 +143,14 @@ def test_the_hook_path_imports_neither_torch_nor_the_engine() -> None:
             "print(sorted(m for m in ('torch', 'slurm_ckpt.engine', 'slurm_ckpt.checkpointer') if m in sys.modules))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+def test_a_scratch_base_not_roots_alone_drains_with_the_reason_logged(hooks: Path, pub_tmp: Path) -> None:
+    (pub_tmp / "real").mkdir()
+    (pub_tmp / "linked").symlink_to(pub_tmp / "real")
+    (pub_tmp / "config.yaml").write_text(f"scratch:\n  base: {pub_tmp}/linked\n")
+    assert run(hooks / PROLOG.name).returncode == 12
+    assert run(hooks / EPILOG.name).returncode == 12
+    log = (hooks / "log" / "hooks.log").read_text()
+    assert log.count(f"ERROR: node fault (Slurm drains this node): scratch base unusable: {pub_tmp}/linked: "
+                     "a symlink") == 2, log  # fmt: skip
+    assert "reported a node fault" in log and not list((pub_tmp / "real").iterdir())
