@@ -8,6 +8,7 @@ or the storage's problem becomes a warning in the job's output instead.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -53,7 +54,7 @@ def run_prolog(env: Mapping[str, str] | None = None, cfg: Config | None = None) 
         state_fd = open_state_dir(base_fd)
         try:
             report = _prepare(ctx, base_fd, state_fd)
-            report.write(state_fd, ctx.job.uid, ctx.job.gid)
+            _write_report(ctx, report, base_fd, state_fd)
         finally:
             os.close(state_fd)
     except OSError as e:
@@ -106,6 +107,27 @@ def _prepare(ctx: HookContext, base_fd: int, state_fd: int) -> JobReport:
         report.warnings.append(f"the checkpoint storage check did not finish in {sc.check_timeout:.0f}s "
                                f"({ctx.cfg.storage.root} slow or hung?)")  # fmt: skip
     return report
+
+
+def _write_report(ctx: HookContext, report: JobReport, base_fd: int, state_fd: int) -> None:
+    """Root's report, which the job's user may read but not change (see :class:`JobReport`)."""
+    job_fd = -1
+    if report.scratch:
+        with contextlib.suppress(OSError):
+            job_fd = os.open(ctx.job.dir_name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             dir_fd=base_fd)  # fmt: skip
+    try:
+        if report.write(state_fd, ctx.job.uid, job_fd if job_fd >= 0 else None):
+            return
+    finally:
+        if job_fd >= 0:
+            os.close(job_fd)
+    if job_fd >= 0:
+        log.warning("%s has no POSIX ACLs: the job reads a read-only copy of its report in %s instead",
+                    ctx.base, ctx.scratch)  # fmt: skip
+    else:
+        log.warning("%s has no POSIX ACLs and the job has no scratch: its warnings are only here: %s",
+                    ctx.base, "; ".join(report.warnings) or "none")  # fmt: skip
 
 
 def _make_scratch(ctx: HookContext, base_fd: int, size: int) -> str:

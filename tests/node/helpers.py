@@ -32,11 +32,21 @@ class User:
     uid: int
     gid: int
 
-    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *argv: str, check: bool = True, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` as this user (real and effective ids, no supplementary groups)."""
         return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=60,
                               user=self.uid, group=self.gid, extra_groups=[], cwd="/",
-                              env={"PATH": PATH, "LC_ALL": "C"})  # fmt: skip
+                              env={"PATH": PATH, "LC_ALL": "C", **(env or {})})  # fmt: skip
+
+    def task_prolog(self, job_id: str, base: Path) -> list[str]:
+        """The lines ``slurm-ckpt node taskprolog`` prints when it runs as this user, as slurmstepd runs it."""
+        import sys
+
+        bin_ = str(Path(sys.executable).with_name("slurm-ckpt"))
+        env = {"SLURM_JOB_ID": job_id, "SLURM_CKPT_CONFIG": "/dev/null", "SLURM_CKPT_SCRATCH_BASE": str(base)}
+        return self.run(bin_, "node", "taskprolog", env=env).stdout.splitlines()
 
     def env(self, job_id: str, **extra: str) -> dict[str, str]:
         """The environment slurmd gives a prolog for a job of this user."""

@@ -165,6 +165,49 @@ def test_hostile_sizes_give_warnings_and_the_default(site: dict[str, Path], user
     assert run_epilog(user.env("21"), cfg) is not None
     assert not (site["base"] / "job_21").exists()
 
+
+def test_the_job_report_is_roots_and_its_user_may_only_read_it(site: dict[str, Path], user: User) -> None:
+    job = run_job(site, user, "22", SLURM_JOB_COMMENT="ckpt_scratch=lots")  # a warning for the report
+    report = site["base"] / ".slurm-ckpt" / "job_22.json"
+    st = os.lstat(report)
+    assert st.st_uid == 0 and stat.S_IMODE(st.st_mode) & 0o007 == 0
+    # No write access, no chmod, no hardlink: nothing to fill outside the job's limits.
+    for argv in (["chmod", "u+w", str(report)], ["sh", "-c", f"echo x >> {report}"],
+                 ["truncate", "-s", "1G", str(report)], ["ln", str(report), str(job / "link")]):  # fmt: skip
+        p = user.run(*argv, check=False)
+        assert p.returncode != 0, (argv, p)
+    assert os.lstat(report).st_size == st.st_size
+    # The user reads it: the TaskProlog, running as the user, exports the scratch and prints the warning.
+    lines = user.task_prolog("22", site["base"])
+    assert f"export SLURM_CKPT_SCRATCH={job}" in lines
+    assert "print slurm-ckpt: warning: --comment ckpt_scratch='lots' is not a size like 40G; ignored" in lines
+    epilog(site, user, "22")
+    assert not report.exists()
+
+
+def test_without_acls_the_user_reads_a_root_owned_copy_in_scratch(site: dict[str, Path], user: User,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Every filesystem this kernel mounts has POSIX ACLs (its ext4 has no ``noacl``), so the
+    seam is the ACL call itself, failing with the errno such a filesystem gives."""
+    import errno
+
+    from slurm_ckpt.node import report as report_mod
+
+    def no_acls(*args: object) -> None:
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(report_mod.os, "setxattr", no_acls)
+    job = run_job(site, user, "23")
+    report, copy = site["base"] / ".slurm-ckpt" / "job_23.json", job / report_mod.SCRATCH_COPY
+    assert user.run("cat", str(report), check=False).returncode != 0  # root's alone: no ACL
+    st = os.lstat(copy)
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o444)
+    for argv in (["chmod", "u+w", str(copy)], ["sh", "-c", f"echo x >> {copy}"]):
+        assert user.run(*argv, check=False).returncode != 0
+    assert f"export SLURM_CKPT_SCRATCH={job}" in user.task_prolog("23", site["base"])
+    epilog(site, user, "23")
+
+
 @pytest.mark.parametrize("case", ["base is a symlink", "parent owned by the user", "parent group-writable",
                                   "base world-writable and sticky", "user's symlink in a sticky dir"])  # fmt: skip
 def test_a_scratch_base_that_is_not_roots_alone_is_a_node_fault(pub_tmp: Path, user: User, case: str,
