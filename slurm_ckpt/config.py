@@ -141,9 +141,10 @@ class ScratchConfig:
     min_size: Size = Size(1024**3)
     """Below this, a shrunk reservation is not worth creating."""
     enforce: str = "auto"
-    """auto|quota|loop|none: how the size is enforced. quota: XFS/ext4 project quota
-    (base mounted with prjquota); loop: a per-job filesystem image, loop-mounted;
-    auto: quota where the base has it, else none (the ledger only)."""
+    """auto|quota|loop|none: how the size is enforced. loop: a per-job filesystem image,
+    loop-mounted; quota: XFS/ext4 project quota (base mounted with prjquota), which the job's
+    user can step out of (see docs/admin.md); auto: loop where the node has loop devices and
+    mkfs, else quota where the base has it, else none (the ledger only)."""
     loop_fstype: str = "ext4"
     """ext4|xfs: filesystem of the per-job image with enforce: loop (xfs needs >= 300MiB)."""
     prolog_timeout: float = 20.0

@@ -22,7 +22,7 @@ from .hook import HookContext, load_context, setup_logging
 from .job import InvalidJob
 from .ledger import Ledger
 from .mounts import cgroup_mount, mount_of
-from .report import report_path
+from .report import JobReport, report_path
 from .scratch import open_state_dir, remove_job_dir
 from .stageout import StageLimits, StageResult, stage_out
 
@@ -75,6 +75,7 @@ def _stage_and_clean(ctx: HookContext, base_fd: int) -> StageResult | None:
     else:
         result = StageResult("none", "no ckpt dir in scratch")
     log.info("stage-out %s: %r", result.status, result.detail)
+    _report_project_changes(ctx, base_fd)
     if not result.scratch_disposable:
         why = f"stage-out {result.status}: {result.detail}"
         log.error("keeping scratch %s and its reservation: it may hold the only copy of "
@@ -111,6 +112,32 @@ def _stage_limits(ctx: HookContext, base_fd: int, ledger: Ledger) -> StageLimits
             os.close(fd)
     reserved = int(ledger.entries().get(ctx.job.job_id, {}).get("size", 0))
     return StageLimits(ctx.cfg.storage.stage_out_allowed(), frozenset(devs), reserved or vfs.f_blocks * vfs.f_frsize)
+
+
+def _report_project_changes(ctx: HookContext, base_fd: int) -> None:
+    """Under a project quota, log the files whose project id the job's user changed.
+
+    In the init user namespace a file's owner may change its project id:
+    ``chattr -p 0`` takes a file out of every quota, ``chattr -p <other job>``
+    charges another job for it. The quota cannot stop that; this makes it seen.
+    """
+    report = JobReport.read(report_path(ctx.state_dir, ctx.job.job_id))  # root's own file
+    if report is None or report.enforce != "quota":
+        return
+    try:
+        fd = _open_job_dir(ctx, base_fd)
+    except OSError:
+        return
+    try:
+        scan = quota.changed_projects(fd, int(ctx.job.job_id), seconds=min(5.0, ctx.deadline.left(CLEANUP_RESERVE)))
+    finally:
+        os.close(fd)
+    if scan.changed:
+        log.warning("job %s (user %s) changed the project id of %d file(s) in its scratch, out of its "
+                    "quota or onto another job's: %s", ctx.job.job_id, ctx.job.user, scan.changed,
+                    scan.summary())  # fmt: skip
+    if not scan.complete:
+        log.info("project id check of %s stopped after %d entries", ctx.scratch, scan.seen)
 
 
 def _remove_report(ctx: HookContext) -> None:

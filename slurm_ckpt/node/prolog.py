@@ -25,7 +25,7 @@ from typing import Any
 
 from ..config import Config, IOLimits
 from ..errors import ConfigError, StorageError, storage_error
-from . import cgroup, loopfs, quota
+from . import cgroup, commands, loopfs, quota
 from .hook import HookContext, load_context, setup_logging
 from .job import InvalidJob, comment_size
 from .ledger import Ledger
@@ -138,7 +138,9 @@ def _make_scratch(ctx: HookContext, base_fd: int, size: int) -> str:
         mode = sc.enforce
         mount = mount_of(ctx.base)
         if mode == "auto":
-            mode = "quota" if quota.has_project_quota(mount) else "none"
+            # A loop filesystem wherever it works: a project quota limits nothing in the init
+            # user namespace, where a file's owner may change its project id.
+            mode = "loop" if _loop_works(sc.loop_fstype) else "quota" if quota.has_project_quota(mount) else "none"
         if mode == "loop":
             if not loopfs.is_mount_point(base_fd, job.dir_name):
                 loopfs.mount_image(ctx.base, job.dir_name, fd, size, sc.loop_fstype, ctx.deadline.left(2.0))
@@ -161,6 +163,11 @@ def _make_scratch(ctx: HookContext, base_fd: int, size: int) -> str:
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def _loop_works(fstype: str) -> bool:
+    """Whether this node can make and mount a per-job image: loop devices, mkfs and mount."""
+    return os.path.exists("/dev/loop-control") and bool(commands.which(f"mkfs.{fstype}") and commands.which("mount"))
 
 
 def _start_space_check(ctx: HookContext, report: JobReport) -> threading.Thread:
