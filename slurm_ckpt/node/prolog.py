@@ -243,5 +243,8 @@ def _spawn_v2(root: Path, rel: str, limits: IOLimits, device: tuple[int, int] | 
     # slurmd reads the prolog's output until EOF, so the helper must not hold
     # a pipe to it; a log file (the shim's) is fine.
     err = None if stat.S_ISREG(os.fstat(2).st_mode) else subprocess.DEVNULL
-    subprocess.Popen([sys.executable, "-m", "slurm_ckpt.node.cgroup", args], start_new_session=True,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+    # Isolated (-I) and from /: with -m, Python would otherwise import from slurmd's
+    # working directory first, and a slurm_ckpt/ planted there would run as root.
+    subprocess.Popen([sys.executable, "-I", "-m", "slurm_ckpt.node.cgroup", args], cwd="/",
+                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=err)  # fmt: skip

@@ -178,3 +178,28 @@ def test_prolog_starts_the_detached_v2_helper(pub_tmp: Path, user: User, tmp_pat
         assert time.monotonic() < deadline, "the v2 helper never wrote the weight"
         time.sleep(0.05)
     run_epilog(user.env("77"), cfg)
+
+
+def test_the_v2_helper_never_imports_from_slurmds_cwd(pub_tmp: Path, user: User, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """``python -m`` puts the working directory first on sys.path: a ``slurm_ckpt`` planted in
+    slurmd's working directory would run as root, instead of the real helper."""
+    import dataclasses
+
+    planted, pwned = pub_tmp / "slurmd-cwd", pub_tmp / "pwned"
+    for mod in ("slurm_ckpt/__init__.py", "slurm_ckpt/node/__init__.py", "slurm_ckpt/node/cgroup.py"):
+        (planted / mod).parent.mkdir(parents=True, exist_ok=True)
+        (planted / mod).write_text(f"open({str(pwned)!r}, 'w').write('ran as root')\n")
+    v2_tree(tmp_path)
+    io = IOConfig(default=IOLimits(weight=600), cgroup_root=str(tmp_path), v2_wait=30)
+    cfg = dataclasses.replace(make_cfg(pub_tmp / "scratch"), io=io)
+    monkeypatch.chdir(planted)  # the prolog runs in slurmd's working directory
+    run_prolog(user.env("78"), cfg)
+    appear(tmp_path / "system.slice/slurmstepd.scope/job_78")
+    weight = tmp_path / "system.slice/slurmstepd.scope/job_78/io.bfq.weight"
+    deadline = time.monotonic() + 30
+    while weight.read_text() != "default 600" and not pwned.exists():
+        assert time.monotonic() < deadline, "no v2 helper ran at all"
+        time.sleep(0.05)
+    assert not pwned.exists() and weight.read_text() == "default 600"
+    run_epilog(user.env("78"), cfg)
