@@ -225,10 +225,12 @@ def test_joining_refuses_a_hierarchy_that_holds_memory(memory_v1: Path) -> None:
         cg.rmdir()
 
 
-def test_the_v2_helper_never_imports_from_slurmds_cwd(pub_tmp: Path, user: User, tmp_path: Path,
+@pytest.mark.parametrize("via", ["cwd", "PYTHONPATH"])
+def test_the_v2_helper_never_imports_from_slurmds_cwd(pub_tmp: Path, user: User, tmp_path: Path, via: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """``python -m`` puts the working directory first on sys.path: a ``slurm_ckpt`` planted in
-    slurmd's working directory would run as root, instead of the real helper."""
+    slurmd's working directory would run as root, instead of the real helper. (PYTHONPATH in
+    the hook's environment is the other way in that an isolated interpreter ignores.)"""
     import dataclasses
 
     planted, pwned = pub_tmp / "slurmd-cwd", pub_tmp / "pwned"
@@ -238,7 +240,10 @@ def test_the_v2_helper_never_imports_from_slurmds_cwd(pub_tmp: Path, user: User,
     v2_tree(tmp_path)
     io = IOConfig(default=IOLimits(weight=600), cgroup_root=str(tmp_path), v2_wait=30)
     cfg = dataclasses.replace(make_cfg(pub_tmp / "scratch"), io=io)
-    monkeypatch.chdir(planted)  # the prolog runs in slurmd's working directory
+    if via == "cwd":
+        monkeypatch.chdir(planted)  # the prolog runs in slurmd's working directory
+    else:
+        monkeypatch.setenv("PYTHONPATH", str(planted))
     run_prolog(user.env("78"), cfg)
     appear(tmp_path / "system.slice/slurmstepd.scope/job_78")
     weight = tmp_path / "system.slice/slurmstepd.scope/job_78/io.bfq.weight"
