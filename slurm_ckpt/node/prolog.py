@@ -117,17 +117,16 @@ def _write_report(ctx: HookContext, report: JobReport, base_fd: int, state_fd: i
             job_fd = os.open(ctx.job.dir_name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                              dir_fd=base_fd)  # fmt: skip
     try:
-        if report.write(state_fd, ctx.job.uid, job_fd if job_fd >= 0 else None):
-            return
+        how = report.write(state_fd, ctx.job.uid, job_fd if job_fd >= 0 else None)
     finally:
         if job_fd >= 0:
             os.close(job_fd)
-    if job_fd >= 0:
+    if how == "copy":
         log.warning("%s has no POSIX ACLs: the job reads a read-only copy of its report in %s instead",
                     ctx.base, ctx.scratch)  # fmt: skip
-    else:
-        log.warning("%s has no POSIX ACLs and the job has no scratch: its warnings are only here: %s",
-                    ctx.base, "; ".join(report.warnings) or "none")  # fmt: skip
+    elif not how:
+        log.warning("%s has no POSIX ACLs and no copy of the report is in the job's scratch: its "
+                    "warnings are only here: %s", ctx.base, "; ".join(report.warnings) or "none")  # fmt: skip
 
 
 def _make_scratch(ctx: HookContext, base_fd: int, size: int) -> str:

@@ -50,18 +50,23 @@ class JobReport:
     checks: dict[str, Any] = field(default_factory=dict)
     time: float = field(default_factory=time.time)
 
-    def write(self, state_fd: int, uid: int, job_fd: int | None = None) -> bool:
+    def write(self, state_fd: int, uid: int, job_fd: int | None = None) -> str:
         """Write atomically into the state dir: root's, and readable by ``uid`` only.
 
         Where the filesystem refuses the ACL, a root-owned 0444 copy goes into
-        the job dir ``job_fd`` (when there is one). Returns whether the user can
-        read the report in the state dir.
+        the job dir ``job_fd`` (when there is one). Returns how the user reads
+        it: ``"acl"``, ``"copy"``, or ``""`` (not at all).
         """
         data = json.dumps(asdict(self), indent=1).encode()
-        readable = _write_root_file(state_fd, f"job_{self.job_id}.json", data, 0o600, reader=uid)
-        if not readable and job_fd is not None:
+        if _write_root_file(state_fd, f"job_{self.job_id}.json", data, 0o600, reader=uid):
+            return "acl"
+        if job_fd is None:
+            return ""
+        try:
             _write_root_file(job_fd, SCRATCH_COPY, data, 0o444)
-        return readable
+        except OSError:  # e.g. a directory the user put at that name
+            return ""
+        return "copy"
 
     @classmethod
     def read(cls, path: Path) -> JobReport | None:
