@@ -10,6 +10,9 @@ runs in the stage-out child, with the job user's rights only.
 Every shard newer than the durable tier is staged, not only the newest: if
 another node's drain got its older shard out but died before the newer one,
 this node's older shard is what completes the last whole checkpoint.
+
+The durable tier's newest checkpoint is found with the same screens as
+scratch (see :func:`.stageout.newest_step`): the user writes both.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 from ..errors import CheckpointCorrupt
 from ..store import shards as sh
 from ..store.manifest import Manifest
-from .stageout import StageResult, sparse_excess
+from .stageout import StageResult, newest_step, sparse_excess
 
 __all__ = ["has_shards", "stage_shards"]
 
@@ -73,7 +76,7 @@ def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float, *, keep
     """
     start = time.monotonic()
     try:
-        newest = sh.newest_durable_step(durable)
+        newest = newest_step(durable)
     except OSError as e:
         return StageResult("failed", f"cannot read the durable run dir {durable}: {e}")
     staged: list[str] = []
@@ -137,7 +140,7 @@ def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float, *, keep
 
 def _superseded(durable: Path, step: int) -> bool:
     try:
-        newest = sh.newest_durable_step(durable)
+        newest = newest_step(durable)
     except OSError:
         return False
     return newest is not None and newest >= step

@@ -44,7 +44,16 @@ from .destination import Destination, open_destination
 from .escape import FIELD_LIMIT, OneLineFormatter, escape
 from .job import Job
 
-__all__ = ["TIER_FILE", "StageLimits", "StageResult", "Tier", "read_tier", "sparse_excess", "stage_out"]
+__all__ = [
+    "TIER_FILE",
+    "StageLimits",
+    "StageResult",
+    "Tier",
+    "newest_step",
+    "read_tier",
+    "sparse_excess",
+    "stage_out",
+]
 
 log = logging.getLogger("slurm_ckpt.node")
 
@@ -171,6 +180,12 @@ def _screened(run_dir: Path, errors: list[str]) -> Iterator[Candidate]:
             errors.append(f"{path}: {e}")
             continue
         yield Candidate(step, path, man)
+
+
+def newest_step(run_dir: Path) -> int | None:
+    """Step of the newest checkpoint in ``run_dir`` that passes the screens and the quick check."""
+    cand = next(_screened(run_dir, []), None)
+    return cand.step if cand else None
 
 
 def sparse_excess(path: Path, man: Manifest, limit: int) -> str | None:
@@ -388,7 +403,10 @@ def stage_out(scratch_ckpt: Path, default_durable: Path | None, job: Job, timeou
     On timeout the child is killed and the result says so: the caller then
     keeps scratch, because it may hold the only copy.
     """
-    groups = os.getgrouplist(job.user, job.gid)  # here: no name service lookups in the forked child
+    try:
+        groups = os.getgrouplist(job.user, job.gid)  # here: no name service lookups in the forked child
+    except OSError:
+        groups = [job.gid]  # fewer rights, never more
     result_r, result_w = os.pipe()
     out_r, out_w = os.pipe()
     pid = os.fork()

@@ -142,6 +142,27 @@ def test_the_durable_side_gets_the_scratch_screens(pub_tmp: Path, scratch_base: 
     verify_checkpoint(durable / "step-000000005", full=True)
 
 
+def test_the_durable_side_gets_the_screens_for_shards_too(pub_tmp: Path, scratch_base: Path, user: User) -> None:
+    """A sharded job's stage-out decides what the durable tier still needs with the same screens."""
+    from slurm_ckpt.store.shards import new_save_id, shard_extra
+
+    root = pub_tmp / "shared"
+    durable = root / user.name / "job_51"
+    owned_tree(durable, user)
+    cfg = make_cfg(scratch_base, root)
+    env = user.env("51")
+    run_prolog(env, cfg)
+    # This node's shard (rank 0 of 2) of step 5, and on the durable tier a "step 9" whose file is a FIFO.
+    rank = scratch_base / "job_51" / "ckpt" / "rank-00000"
+    craft_ckpt(rank, 5, {"x.bin": b"shard"}, owner=user, extra=shard_extra(0, 2, new_save_id()))
+    fifo = craft_ckpt(durable, 9, {"x.bin": b""}, owner=user)
+    (fifo / "x.bin").unlink()
+    user.run("mkfifo", str(fifo / "x.bin"))
+    res = run_epilog(env, cfg)
+    assert res is not None and res.status == "staged" and "waiting for other nodes' shards" in res.detail, res
+    assert list(durable.glob(".shards-step-000000005-*/rank-00000"))
+
+
 def _child_of(uid: int, deadline: float) -> int:
     """Our forked stage-out child, once it runs as ``uid``."""
     while time.monotonic() < deadline:
