@@ -1,36 +1,26 @@
 """Epilog stage-out: the newest checkpoint that exists only on scratch goes to the durable run dir.
 
-Root forks a child that closes every fd root opened, then takes the job
-user's uid, gid and groups before it reads anything the user wrote.
-Everything the child opens, it opens with the user's rights, so a hardlink to
-a root-only file, or a symlink to another user's dir, fails as it would for
-the user. The destination must be an allowed one (see :mod:`.destination`).
+It runs in a child forked by root (:mod:`.userchild`) that closes every fd
+root opened, then takes the job user's uid, gid and groups before it reads
+anything the user wrote. Everything the child opens, it opens with the user's
+rights, so a hardlink to a root-only file, or a symlink to another user's dir,
+fails as it would for the user. The destination must be an allowed one (see
+:mod:`.destination`).
 Both sides get the same screens: a manifest of bounded size, regular files
 only. The copy goes through :func:`slurm_ckpt.store.copy_checkpoint`
 (checksummed while copied, committed with the store's protocol) and is
 verified again in full before it counts.
-
-The child's output is captured through a pipe and capped; the parent logs it
-line by line, escaped, and never lets it reach the hook log as it is.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import os
-import resource
-import select
-import signal
 import stat
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import NoReturn
 
 from ..errors import CheckpointCorrupt, SlurmCkptError
 from ..store import Candidate, RunDir, copy_checkpoint, verify_checkpoint
@@ -41,8 +31,9 @@ from ..store.retention import apply_retention
 from ..store.retry import prune_for_space, pruned_once
 from ..store.shards import plain_files
 from .destination import Destination, open_destination
-from .escape import FIELD_LIMIT, OneLineFormatter, escape
+from .escape import FIELD_LIMIT, escape
 from .job import Job
+from .userchild import run_as_user
 
 __all__ = [
     "TIER_FILE",
@@ -60,11 +51,6 @@ log = logging.getLogger("slurm_ckpt.node")
 TIER_FILE = "TIER.json"
 _MAX_TIER = 64 * 1024
 _MAX_KEEP = 1_000_000
-STAGE_MEMORY = 4 * 1024**3
-"""Address-space limit of the stage-out child (bytes)."""
-OUTPUT_LIMIT = 16 * 1024
-"""Bytes of the child's output (its log records) that reach the hook log."""
-_RESULT_LIMIT = 64 * 1024
 _SPARSE_SLACK = 1024**2
 _STATUSES = ("staged", "up-to-date", "none", "failed", "timeout")
 _DONE = ("staged", "up-to-date", "none")
@@ -296,106 +282,6 @@ def _copy_in(src: Path, durable: Path, keep: int | None) -> Path:
     return pruned_once(lambda: copy_checkpoint(src, durable), prune, f"staging {src} out to {durable}")
 
 
-def _keep_only(out_fd: int, result_fd: int) -> None:
-    """Close every fd but stdin (/dev/null), stdout and stderr (``out_fd``) and fd 3 (``result_fd``).
-
-    Root opened the others (the scratch base, the hook log, a lock): none of
-    them may stay open in a process that runs as the user.
-    """
-    # Above 3 first, so that the dup2 calls below cannot clobber one with the other.
-    out = fcntl.fcntl(out_fd, fcntl.F_DUPFD, 10)
-    res = fcntl.fcntl(result_fd, fcntl.F_DUPFD, 10)
-    null = os.open(os.devnull, os.O_RDONLY)
-    for src, dst in ((null, 0), (out, 1), (out, 2), (res, 3)):
-        os.dup2(src, dst)
-    for name in os.listdir("/proc/self/fd"):
-        if int(name) > 3:
-            with contextlib.suppress(OSError):  # the listing's own fd, closed already
-                os.close(int(name))
-
-
-def _become(job: Job, groups: list[int]) -> None:
-    """Take the job user's identity for good (real, effective and saved ids)."""
-    os.setgroups(groups)
-    os.setresgid(job.gid, job.gid, job.gid)
-    os.setresuid(job.uid, job.uid, job.uid)
-    os.umask(0o077)
-    os.chdir("/")
-    # This child runs outside the job's cgroup: bound what user data can make it allocate.
-    resource.setrlimit(resource.RLIMIT_AS, (STAGE_MEMORY, STAGE_MEMORY))
-
-
-def _child(scratch_ckpt: Path, default_durable: Path | None, job: Job, groups: list[int],
-           limits: StageLimits, timeout: float, out_fd: int, result_fd: int) -> NoReturn:  # fmt: skip
-    try:
-        _keep_only(out_fd, result_fd)
-        _become(job, groups)
-        # Records go to the pipe the parent reads, one escaped line each; never to root's log.
-        stream = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
-        sys.stdout = sys.stderr = stream
-        handler = logging.StreamHandler(stream)
-        handler.setFormatter(OneLineFormatter("%(levelname)s: %(message)s"))
-        handler.addFilter(_SHOWN)
-        for name in ("slurm_ckpt", ""):  # ours, and the root logger others propagate to
-            logging.getLogger(name).handlers[:] = [handler]
-        res = _stage(scratch_ckpt, default_durable, limits, min(10.0, timeout / 2))
-    except (SlurmCkptError, OSError) as e:
-        res = StageResult("failed", f"{type(e).__name__}: {escape(e)}")
-    except BaseException as e:  # reported to the parent, which logs it
-        res = StageResult("failed", f"unexpected {type(e).__name__}: {escape(e)}")
-    try:
-        sys.stderr.flush()
-        res = replace(res, detail=escape(res.detail, 2 * FIELD_LIMIT))
-        os.write(3, json.dumps(asdict(res)).encode()[:_RESULT_LIMIT])
-    finally:
-        os._exit(0)
-
-
-def _reap(pid: int, wait: float) -> None:
-    # Bounded: a child stuck in an unkillable NFS write must not hang the epilog too.
-    end = time.monotonic() + wait
-    while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < end:
-        time.sleep(0.01)
-
-
-def _collect(pid: int, result_fd: int, out_fd: int, timeout: float) -> tuple[bytes | None, bytes, int]:
-    """Read the child's result and output until both end; (None, ...) if ``timeout`` passes first.
-
-    Returns (result, the first OUTPUT_LIMIT bytes of output, bytes of output dropped).
-    Output past the cap is read and thrown away, so a chatty child never blocks on it.
-    """
-    result, output, dropped = b"", b"", 0
-    open_fds = {result_fd, out_fd}
-    deadline = time.monotonic() + timeout
-    while open_fds:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None, output, dropped
-        for fd in select.select(list(open_fds), [], [], left)[0]:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                open_fds.discard(fd)
-            elif fd == result_fd:
-                result = (result + chunk)[:_RESULT_LIMIT]
-            else:
-                room = max(0, OUTPUT_LIMIT - len(output))
-                output += chunk[:room]
-                dropped += len(chunk) - min(room, len(chunk))
-    return result, output, dropped
-
-
-def _relay(output: bytes, dropped: int) -> None:
-    """Log the child's captured records, each escaped at its own level (WARNING if it has none)."""
-    for line in output.decode("utf-8", "backslashreplace").splitlines():
-        level, sep, msg = line.partition(": ")
-        lvl = logging.getLevelName(level) if sep else None
-        if not isinstance(lvl, int):
-            lvl, msg = logging.WARNING, line
-        log.log(lvl, "stage-out: %s", escape(msg))
-    if dropped:
-        log.warning("stage-out: %d more bytes of its output dropped", dropped)
-
-
 def stage_out(scratch_ckpt: Path, default_durable: Path | None, job: Job, timeout: float,
               limits: StageLimits) -> StageResult:  # fmt: skip
     """Stage out as ``job``'s user within ``timeout`` seconds; never raises.
@@ -403,26 +289,17 @@ def stage_out(scratch_ckpt: Path, default_durable: Path | None, job: Job, timeou
     On timeout the child is killed and the result says so: the caller then
     keeps scratch, because it may hold the only copy.
     """
-    try:
-        groups = os.getgrouplist(job.user, job.gid)  # here: no name service lookups in the forked child
-    except OSError:
-        groups = [job.gid]  # fewer rights, never more
-    result_r, result_w = os.pipe()
-    out_r, out_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        _child(scratch_ckpt, default_durable, job, groups, limits, timeout, out_w, result_w)
-    os.close(result_w)
-    os.close(out_w)
-    try:
-        result, output, dropped = _collect(pid, result_r, out_r, timeout)
-        if result is None:
-            os.kill(pid, signal.SIGKILL)
-    finally:
-        os.close(result_r)
-        os.close(out_r)
-    _reap(pid, 5.0)
-    _relay(output, dropped)
-    if result is None:
+
+    def work() -> bytes:  # in the child, as the user
+        try:
+            res = _stage(scratch_ckpt, default_durable, limits, min(10.0, timeout / 2))
+        except (SlurmCkptError, OSError) as e:
+            res = StageResult("failed", f"{type(e).__name__}: {escape(e)}")
+        except BaseException as e:  # reported to the parent, which logs it
+            res = StageResult("failed", f"unexpected {type(e).__name__}: {escape(e)}")
+        return json.dumps(asdict(replace(res, detail=escape(res.detail, 2 * FIELD_LIMIT)))).encode()
+
+    out = run_as_user(job, work, timeout, name="stage-out", log_filter=_SHOWN)
+    if out.timed_out:
         return StageResult("timeout", f"stage-out still running after {timeout:.0f}s; killed")
-    return StageResult.from_child(result)
+    return StageResult.from_child(out.result or b"")
