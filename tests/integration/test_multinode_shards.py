@@ -215,22 +215,24 @@ def test_epilog_of_each_node_stages_its_shards_and_the_last_one_commits(
 def test_epilog_stage_out_child_handles_shards_as_the_user(main: dict[str, Any]) -> None:
     """The epilog's own stage-out (forked child with the user's ids, TIER.json) on each node."""
     from slurm_ckpt.node.job import Job
-    from slurm_ckpt.node.stageout import stage_out
+    from slurm_ckpt.node.stageout import StageLimits, stage_out
 
     base = main["base"]
     job = Job.from_env({"SLURM_JOB_ID": "4242", "SLURM_JOB_UID": str(os.getuid()),
                         "SLURM_JOB_GID": str(os.getgid()), "SLURM_JOB_USER": _user()})  # fmt: skip
-    # No default durable dir: TIER.json on each node's scratch names the run dir.
-    first = stage_out(base / "nodrain2-scratch0" / "ckpt", None, job, timeout=30)
+    # No default durable dir: TIER.json on each node's scratch names the run dir
+    # (scratch and durable share one filesystem here, so no scratch device is named).
+    limits = StageLimits((str(base),), frozenset(), 2**40)
+    first = stage_out(base / "nodrain2-scratch0" / "ckpt", None, job, timeout=30, limits=limits)
     assert first.status == "staged" and first.step is None and first.scratch_disposable, first
-    second = stage_out(base / "nodrain2-scratch1" / "ckpt", None, job, timeout=30)
+    second = stage_out(base / "nodrain2-scratch1" / "ckpt", None, job, timeout=30, limits=limits)
     assert second.status == "staged" and second.step == 30, second
     assert second.path == str(base / "nodrain2" / "step-000000030")
     assert sorted(_manifest(base / "nodrain2" / "step-000000030").extra["shards"]) == [
         "rank-00000",
         "rank-00001",
     ]
-    third = stage_out(base / "nodrain2-scratch0" / "ckpt", None, job, timeout=30)
+    third = stage_out(base / "nodrain2-scratch0" / "ckpt", None, job, timeout=30, limits=limits)
     assert third.status == "up-to-date" and third.scratch_disposable, third
 
 
