@@ -67,10 +67,7 @@ def runs(sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int], i
     def walk(d: int, base: int) -> None:
         if d == k:
             start = base + (offsets[k] * strides[k] if n else 0)
-            if out and out[-1][1] == start:
-                out[-1] = (out[-1][0], start + run_len)
-            else:
-                out.append((start, start + run_len))
+            out.append((start, start + run_len))
             return
         for i in range(offsets[d], offsets[d] + lengths[d]):
             walk(d + 1, base + i * strides[d])
