@@ -10,16 +10,22 @@ tensor index maps each DCP key (the flattened name, ``model.0.weight``) to::
      "placements": ["Shard(dim=0)"], "mesh": [4],   # when it was a DTensor
      "chunks": [{"offsets": [0, 0], "sizes": [256, 512],
                  "file": "dcp-00000.safetensors", "at": 4160,
-                 "crc32": ["1c291ca3", ...]}, ...]}
+                 "block": 65536, "crc32": ["1c291ca3", ...]}, ...]}
 
-    {"bytes": {"file": "dcp-00000.safetensors", "at": 123, "size": 52, "crc32": ["..."]}}
+    {"bytes": {"file": "dcp-00000.safetensors", "at": 123, "size": 52, "block": 65536, "crc32": ["..."]}}
 
 ``at`` is the chunk's byte offset in its file and ``crc32`` lists the crc32 of
-each ``block`` bytes of it (``extra.dcp.block``; the last block may be shorter).
-So a loader at any world size can tell, from the manifest alone, which bytes of
-which files hold the part of each tensor it needs, and verify every block it
-reads without reading the rest of the file. Chunks are stored row-major and
-contiguous, in safetensors files (a standard reader sees one entry per chunk).
+each ``block`` bytes of it (the last block may be shorter). So a loader at any
+world size can tell, from the manifest alone, which bytes of which files hold
+the part of each tensor it needs, and verify every block it reads without
+reading the rest of the file. Chunks are stored row-major and contiguous, in
+safetensors files (a standard reader sees one entry per chunk).
+
+A chunk's block is a 64th of it, rounded up to a power of two, and at least
+64 KiB (:func:`block_size`): the manifest then holds at most 64 crcs a chunk
+whatever the model's size, and a rank that needs part of a chunk reads at most
+one block (1/64 of the chunk, or 64 KiB) more than it needs at each end of
+each run of bytes it needs.
 """
 
 from __future__ import annotations
@@ -34,9 +40,9 @@ from ..store.codec import decode_state, encode_state, st_dtype, torch_dtype
 from ..store.manifest import Manifest
 
 __all__ = [
-    "BLOCK",
     "LAYOUT",
     "Stored",
+    "block_size",
     "chunk_key",
     "index_entries",
     "is_dcp",
@@ -45,23 +51,33 @@ __all__ = [
 ]
 
 LAYOUT = "dcp"
-BLOCK = 1 << 20
-"""Bytes per verified block. A load reads whole blocks, so a rank that needs part
-of a chunk reads at most one block more at each end of each run it needs; and
-the manifest carries one crc per block (about 11 bytes of JSON per MiB of state)."""
+BLOCKS = 64
+"""Crcs per chunk, at most."""
+MIN_BLOCK = 64 << 10
+
+
+def block_size(nbytes: int) -> int:
+    """Bytes per verified block of a chunk of ``nbytes``: a power of two, at least
+    ``MIN_BLOCK``, and large enough that the chunk has at most ``BLOCKS`` blocks."""
+    block = MIN_BLOCK
+    while block * BLOCKS < nbytes:
+        block *= 2
+    return block
 
 
 @dataclass(frozen=True)
 class Stored:
-    """Where one chunk (or one DCP byte item) sits: file, byte offset, length, block crcs."""
+    """Where one chunk (or one DCP byte item) sits: file, byte offset, length, and the
+    crc32 of each ``block`` bytes of it."""
 
     file: str
     at: int
     length: int
+    block: int
     crcs: tuple[str, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "at": self.at, "crc32": list(self.crcs)}
+        return {"file": self.file, "at": self.at, "block": self.block, "crc32": list(self.crcs)}
 
 
 def is_dcp(man: Manifest) -> bool:
@@ -75,14 +91,14 @@ def chunk_key(fqn: str, offsets: Any) -> str:
     return fqn if not any(offs) else f"{fqn}@{','.join(map(str, offs))}"
 
 
-def planner_extra(planner_data: Any, version: str | None, block: int) -> dict[str, Any]:
+def planner_extra(planner_data: Any, version: str | None) -> dict[str, Any]:
     """The manifest's ``extra.dcp``: the planner's data as our JSON (never pickle)."""
     enc = encode_state(planner_data)
     if enc.tensors:
         raise ValueError("the save planner's planner_data holds tensors; slurm_ckpt.dcp cannot store them")
     # A JSON string, not nested JSON: the manifest is indented, and DCP's map of every key
     # to its path would take a dozen lines per key there.
-    return {"version": version, "block": block, "planner_data": json.dumps(enc.tree, separators=(",", ":"))}
+    return {"version": version, "planner_data": json.dumps(enc.tree, separators=(",", ":"))}
 
 
 def index_entries(
@@ -110,8 +126,8 @@ def index_entries(
     return out
 
 
-def metadata_of(man: Manifest, where: str) -> tuple[Any, int]:
-    """DCP's ``Metadata`` for a DCP-layout manifest, and its block size.
+def metadata_of(man: Manifest, where: str) -> Any:
+    """DCP's ``Metadata`` for a DCP-layout manifest.
 
     ``metadata.storage_data`` maps each ``MetadataIndex`` to its :class:`Stored`.
     Raises :class:`CheckpointCorrupt` naming ``where`` if the index is inconsistent.
@@ -128,14 +144,14 @@ def metadata_of(man: Manifest, where: str) -> tuple[Any, int]:
 
     try:
         dcp = man.extra["dcp"]
-        block = int(dcp["block"])
-        if block <= 0 or block % 16:
-            raise ValueError(f"block size {block} is not a positive multiple of 16")
         sdm: dict[str, Any] = {}
         storage: dict[Any, Stored] = {}
 
         def stored(rec: dict[str, Any], length: int) -> Stored:
             crcs = tuple(str(c) for c in rec["crc32"])
+            block = int(rec["block"])
+            if block <= 0 or block % 16:
+                raise ValueError(f"block size {block} is not a positive multiple of 16")
             if str(rec["file"]) not in man.files:
                 raise ValueError(f"file {rec['file']!r} is not in the manifest")
             if len(crcs) != max(1, -(-length // block)):
@@ -143,7 +159,7 @@ def metadata_of(man: Manifest, where: str) -> tuple[Any, int]:
             at = int(rec["at"])
             if at < 0 or at + length > man.files[str(rec["file"])].size:
                 raise ValueError(f"bytes {at}-{at + length} lie outside {rec['file']}")
-            return Stored(str(rec["file"]), at, length, crcs)
+            return Stored(str(rec["file"]), at, length, block, crcs)
 
         for fqn, entry in man.tensors.items():
             if "bytes" in entry:
@@ -164,7 +180,7 @@ def metadata_of(man: Manifest, where: str) -> tuple[Any, int]:
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointCorrupt(f"{where}: invalid DCP index in the manifest: {e}", where) from None
     return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage,
-                    version=dcp.get("version")), block  # fmt: skip
+                    version=dcp.get("version"))  # fmt: skip
 
 
 def _no_tensors(key: str) -> Any:

@@ -4,7 +4,7 @@ A load at a new world size needs, of each stored chunk, a hypercube: a row
 band of a tensor sharded on dim 0, a column band of one sharded on dim 1, all
 of a replicated one. In row-major order a hypercube is a set of byte runs
 (:func:`runs`); a dim-0 band is a single run. Only the blocks the runs touch
-are read (``index.BLOCK`` bytes each, so a run costs at most one block more at
+are read (see ``index.block_size``: a run costs at most one block more at
 each end than its own bytes), and each block's crc32 is checked against the
 manifest before its bytes reach the caller's tensor: a flipped bit anywhere in
 what a rank reads is a :class:`CheckpointCorrupt` naming the file, never a
@@ -83,10 +83,9 @@ class RangeReader:
     bytes of the runs asked for (the least any reader could read).
     """
 
-    def __init__(self, ckpt: Path, files: dict[str, FileRecord], block: int, *, threads: int = 4) -> None:
+    def __init__(self, ckpt: Path, files: dict[str, FileRecord], *, threads: int = 4) -> None:
         self.ckpt = ckpt
         self.files = files
-        self.block = block
         self.threads = threads
         self.bytes_read = 0
         self.bytes_needed = 0
@@ -168,10 +167,10 @@ class RangeReader:
 
     def _blocks(self, where: Stored, b: int, e: int) -> tuple[int, int]:
         """The block indices ``[first, last)`` that bytes ``[b, e)`` of the item touch."""
-        return b // self.block, -(-e // self.block)
+        return b // where.block, -(-e // where.block)
 
     def _block_span(self, where: Stored, i: int) -> tuple[int, int]:
-        return i * self.block, min((i + 1) * self.block, where.length)
+        return i * where.block, min((i + 1) * where.block, where.length)
 
     def _pread(self, where: Stored, view: memoryview, off: int) -> None:
         """Read ``len(view)`` bytes at item offset ``off`` into ``view``."""
@@ -217,7 +216,7 @@ class RangeReader:
                 self._check(where, i, view)
                 continue
             if bounce is None:
-                bounce = bytearray(self.block)
+                bounce = bytearray(where.block)
             view = memoryview(bounce)[: hi - lo]
             self._pread(where, view, lo)
             self._check(where, i, view)
@@ -237,7 +236,7 @@ class RangeReader:
             first, last = self._blocks(where, b, e)
             for i in range(max(first, touched[-1] + 1 if touched else first), last):
                 touched.append(i)
-        base = touched[0] * self.block
+        base = touched[0] * where.block
         buf = torch.empty(self._block_span(where, touched[-1])[1] - base, dtype=torch.uint8)
         whole = memory_view(int(buf.data_ptr()), buf.numel())
         # Consecutive blocks are read with one call each stretch.
@@ -246,7 +245,7 @@ class RangeReader:
             j = i
             while j + 1 < len(touched) and touched[j + 1] == touched[j] + 1:
                 j += 1
-            lo, hi = touched[i] * self.block, self._block_span(where, touched[j])[1]
+            lo, hi = touched[i] * where.block, self._block_span(where, touched[j])[1]
             self._pread(where, whole[lo - base : hi - base], lo)
             for k in range(touched[i], touched[j] + 1):
                 klo, khi = self._block_span(where, k)

@@ -84,7 +84,6 @@ class StorageReader(_dcp_storage.StorageReader):
         self.bytes_read = 0
         self.bytes_needed = 0
         self.load_id = uuid.uuid4().hex
-        self._block = 0
         self._storage: dict[Any, Stored] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -110,7 +109,7 @@ class StorageReader(_dcp_storage.StorageReader):
                 f"{ckpt} was written by Checkpointer.save, not through slurm_ckpt.dcp: load it "
                 "with Checkpointer.load_latest (reading it through DCP comes later)"
             )
-        metadata, self._block = metadata_of(man, str(ckpt))
+        metadata = metadata_of(man, str(ckpt))
         self.checkpoint, self.manifest = ckpt, man
         self._storage = metadata.storage_data
         metadata.storage_meta = StorageMeta(checkpoint_id=str(ckpt), load_id=self.load_id)
@@ -140,7 +139,7 @@ class StorageReader(_dcp_storage.StorageReader):
         cfg = self.config.engine
         from ..engine import default_threads
 
-        with RangeReader(self.checkpoint, self.manifest.files, self._block, threads=cfg.threads or default_threads()) as rr:
+        with RangeReader(self.checkpoint, self.manifest.files, threads=cfg.threads or default_threads()) as rr:
             jobs: list[Callable[[], None]] = []
             done: list[Callable[[], None]] = []
             for req in plan.items:

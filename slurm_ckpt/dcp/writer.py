@@ -48,7 +48,7 @@ from ..store.layout import step_dir, tmp_dir_for
 from ..store.manifest import MANIFEST
 from ..store.tensorfile import FileRecord
 from ..store.writer import write_small_files
-from .index import BLOCK, LAYOUT, Stored, chunk_key, index_entries, planner_extra
+from .index import LAYOUT, Stored, block_size, chunk_key, index_entries, planner_extra
 
 __all__ = ["StorageWriter", "data_file_name", "parse_checkpoint_id"]
 
@@ -104,8 +104,8 @@ class StorageWriter(_dcp_storage.StorageWriter):
     >>> dcp.save(state, checkpoint_id="/ckpt/run/step-100", storage_writer=StorageWriter())
 
     The checkpoint is ``<run_dir>/step-000000100``: committed with fsyncs, the
-    manifest last and an atomic rename; every file and every ``block`` bytes of
-    each stored chunk checksummed; written with the engine's ``O_DIRECT``
+    manifest last and an atomic rename; every file and every block of each
+    stored chunk checksummed (``index.py``); written with the engine's ``O_DIRECT``
     writer. ``keep`` checkpoints are kept (default: the config's
     ``storage.keep``). ``dcp.async_save`` works with it too.
     """
@@ -118,15 +118,12 @@ class StorageWriter(_dcp_storage.StorageWriter):
         keep: int | None = None,
         config: Config | None = None,
         lock_timeout: float | None = 0,
-        block: int = BLOCK,
         files: Mapping[str, bytes] | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
         """``files`` (small files the coordinator adds, by name) and ``extra`` (manifest
         fields) let :mod:`slurm_ckpt.sharded` store the state's plain values beside DCP's."""
         super().__init__()
-        if block <= 0 or block % 16:
-            raise ConfigError(f"block must be a positive multiple of 16 bytes, not {block}")
         self.config = config or load_config()
         self.run_dir = Path(run_dir).absolute() if run_dir is not None else None
         self.step = step
@@ -134,7 +131,6 @@ class StorageWriter(_dcp_storage.StorageWriter):
         if self.keep < 1:
             raise ConfigError("keep must be at least 1")
         self.lock_timeout = lock_timeout
-        self.block = block
         self.files = dict(files or {})
         self.extra = dict(extra or {})
         if any(n.startswith("dcp-") or n == MANIFEST or "/" in n for n in self.files):
@@ -234,7 +230,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
         metadata.storage_meta = self.storage_meta()
         tensors = index_entries(metadata, stored, layouts)
         extra = {**self.extra, "layout": LAYOUT,
-                 "dcp": planner_extra(metadata.planner_data, metadata.version, self.block)}  # fmt: skip
+                 "dcp": planner_extra(metadata.planner_data, metadata.version)}  # fmt: skip
 
         def move_in(tmp: Path) -> tuple[dict[str, FileRecord], dict[str, Any]]:
             # Each rank fsynced its file; the rename only moves the name, and
@@ -316,7 +312,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
         for e in entries:
             spans.append((e, at))
             at += e.nbytes
-        crcs = _block_crcs([e for e, _ in spans], self.block)
+        crcs = _block_crcs([e for e, _ in spans])
         cfg = self.config.engine
         record = write_image(path, image, threads=cfg.threads or default_threads(), chunk=cfg.chunk_size,
                              direct=cfg.direct_io)  # fmt: skip
@@ -327,7 +323,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
 
         whole = crc32(memory_view(*header))
         for e, _ in spans:
-            for c, n in zip(crcs[id(e)], _block_lengths(e.nbytes, self.block), strict=True):
+            for c, n in zip(crcs[id(e)], _block_lengths(e.nbytes, block_size(e.nbytes)), strict=True):
                 whole = crc32_combine(whole, int(c, 16), n)
         if f"{whole:08x}" != record.checksum:
             raise SnapshotChanged(
@@ -338,7 +334,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
         out = []
         for e, off in spans:
             item = by_entry[id(e)]
-            stored = Stored(name, off, e.nbytes, tuple(crcs[id(e)]))
+            stored = Stored(name, off, e.nbytes, block_size(e.nbytes), tuple(crcs[id(e)]))
             layout = layouts.get(item.index.fqn) if item.type != WriteItemType.BYTE_IO else None
             out.append(_dcp_storage.WriteResult(index=item.index, size_in_bytes=e.nbytes,
                                                 storage_data=_Written(stored, record, layout)))  # fmt: skip
@@ -368,20 +364,21 @@ def _block_lengths(n: int, block: int) -> Iterable[int]:
     return [min(block, n - i) for i in range(0, n, block)]
 
 
-def _block_crcs(entries: list[TensorEntry], block: int) -> dict[int, list[str]]:
-    """The crc32 of every ``block`` bytes of each entry's memory, on a few threads (crc32 releases the GIL)."""
+def _block_crcs(entries: list[TensorEntry]) -> dict[int, list[str]]:
+    """The crc32 of every block of each entry's memory, on a few threads (crc32 releases the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ..engine.buffers import memory_view
 
     def one(e: TensorEntry) -> list[str]:
         addr, n = int(e.tensor.data_ptr()), e.nbytes
+        block = block_size(n)
         if n == 0:
             return [f"{0:08x}"]
         return [f"{crc32(memory_view(addr + i, min(block, n - i))):08x}" for i in range(0, n, block)]
 
-    big = [e for e in entries if e.nbytes > 4 * block]
-    out: dict[int, list[str]] = {id(e): one(e) for e in entries if e.nbytes <= 4 * block}
+    big = [e for e in entries if e.nbytes > 4 * block_size(0)]
+    out: dict[int, list[str]] = {id(e): one(e) for e in entries if e.nbytes <= 4 * block_size(0)}
     if big:
         with ThreadPoolExecutor(max_workers=min(crc_threads(), len(big)), thread_name_prefix="slurm-ckpt-crc") as ex:
             for e, crcs in zip(big, ex.map(one, big), strict=True):

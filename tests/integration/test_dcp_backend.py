@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from slurm_ckpt.cli import main
 from slurm_ckpt.dcp import StorageReader, StorageWriter
-from slurm_ckpt.dcp.index import BLOCK, is_dcp
+from slurm_ckpt.dcp.index import is_dcp
 from slurm_ckpt.errors import ConfigError, NoSpace, SnapshotChanged
 from slurm_ckpt.store import find_latest, verify_checkpoint
 
@@ -38,7 +38,7 @@ def _quiet() -> Iterator[None]:
 
 def nested(seed: int = 0) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
-    big = torch.randn(700, 1000, generator=g)  # 2.8 MB: three blocks
+    big = torch.randn(700, 1000, generator=g)  # 2.8 MB: 43 blocks of 64 KiB
     return {
         "model": {
             "big": big,
@@ -100,7 +100,8 @@ def test_nested_state_round_trips_bit_exact(tmp_path: Path) -> None:
     assert w.last_committed == tmp_path / "run" / "step-000000100"
     man = verify_checkpoint(w.last_committed, full=True)
     assert is_dcp(man) and man.step == 100 and man.world_size == 1
-    assert len(man.tensors["model.big"]["chunks"][0]["crc32"]) == 3
+    big = man.tensors["model.big"]["chunks"][0]
+    assert big["block"] == 64 << 10 and len(big["crc32"]) == 43  # 2,800,000 bytes in 64 KiB blocks
     target = zeros_like(state)
     r = StorageReader(tmp_path / "run")
     dcp.load(target, storage_reader=r)
@@ -184,11 +185,11 @@ def test_a_damaged_block_fails_the_load_naming_the_file(tmp_path: Path) -> None:
     assert w.last_committed is not None
     f = w.last_committed / "dcp-00000.safetensors"
     man = verify_checkpoint(w.last_committed)
-    at = man.tensors["model.big"]["chunks"][0]["at"]
+    big = man.tensors["model.big"]["chunks"][0]
     with f.open("r+b") as fh:  # one bit, in the big tensor's second block; the size stays
-        fh.seek(at + BLOCK + 12345)
+        fh.seek(big["at"] + big["block"] + 12345)
         b = fh.read(1)
-        fh.seek(at + BLOCK + 12345)
+        fh.seek(big["at"] + big["block"] + 12345)
         fh.write(bytes([b[0] ^ 0x10]))
     with pytest.raises(CheckpointException, match=r"dcp-00000.safetensors: checksum mismatch in bytes"):
         dcp.load(zeros_like(state), storage_reader=StorageReader(tmp_path / "run"))

@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slurm_ckpt.dcp.index import Stored
+from slurm_ckpt.dcp.index import Stored, block_size
 from slurm_ckpt.dcp.ranged import RangeReader, runs
 from slurm_ckpt.errors import CheckpointCorrupt
 from slurm_ckpt.store.tensorfile import FileRecord
@@ -29,7 +29,7 @@ def store(path: Path, chunk: torch.Tensor, block: int) -> Stored:
     data = bytes(raw)
     path.write_bytes(b"\xee" * AT + data + b"\xee" * 17)
     crcs = tuple(f"{zlib.crc32(data[i : i + block]):08x}" for i in range(0, max(len(data), 1), block))
-    return Stored(path.name, AT, len(data), crcs)
+    return Stored(path.name, AT, len(data), block, crcs)
 
 
 @st.composite
@@ -51,7 +51,7 @@ def test_any_hypercube_reads_back_exactly_and_only_its_blocks(tmp_path: Path, ca
     want = chunk[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))]
     dest = torch.full(lengths, 99, dtype=dtype) if contiguous else torch.full(lengths[::-1], 99, dtype=dtype).permute(*reversed(range(len(lengths))))
     rs = runs(sizes, offsets, lengths, dtype.itemsize)
-    with RangeReader(tmp_path, {"f": FileRecord(AT + where.length + 17, "")}, block) as rr:
+    with RangeReader(tmp_path, {"f": FileRecord(AT + where.length + 17, "")}) as rr:
         rr.read_into(where, rs, dest, sizes=sizes, offsets=offsets)
     assert torch.equal(dest, want)
     assert rr.bytes_needed == want.numel() * dtype.itemsize == sum(e - b for b, e in rs)
@@ -76,7 +76,7 @@ def test_a_flipped_byte_fails_exactly_the_reads_of_its_block(tmp_path: Path) -> 
     data[AT + 3 * block + 5] ^= 0x01  # in the 4th block: rows 12-15
     (tmp_path / "f").write_bytes(bytes(data))
     files = {"f": FileRecord(len(data), "")}
-    with RangeReader(tmp_path, files, block) as rr:
+    with RangeReader(tmp_path, files) as rr:
         dest = torch.empty(4, 4)
         rr.read_into(where, runs([20, 4], [0, 0], [4, 4], 4), dest)  # rows 0-3: the first block only
         assert torch.equal(dest, chunk[:4])
@@ -92,7 +92,15 @@ def test_a_flipped_byte_fails_exactly_the_reads_of_its_block(tmp_path: Path) -> 
 def test_a_file_of_the_wrong_size_is_refused_before_reading(tmp_path: Path) -> None:
     chunk = torch.arange(8, dtype=torch.float32)
     where = store(tmp_path / "f", chunk, 16)
-    with RangeReader(tmp_path, {"f": FileRecord(AT + 32 + 16, "")}, 16) as rr, pytest.raises(
+    with RangeReader(tmp_path, {"f": FileRecord(AT + 32 + 16, "")}) as rr, pytest.raises(
         CheckpointCorrupt, match="size is 172, manifest expects 171"
     ):
         rr.read_into(where, [(0, 32)], torch.empty(8))
+
+
+@given(st.integers(0, 1 << 42))
+def test_a_chunk_has_at_most_64_blocks_each_at_least_64_kib(n: int) -> None:
+    b = block_size(n)
+    assert b >= 64 << 10 and b & (b - 1) == 0
+    assert -(-n // b) <= 64
+    assert b == 64 << 10 or -(-n // (b // 2)) > 64  # and no larger than that needs
