@@ -115,8 +115,10 @@ def _rank(rank: int, world: int, port: int, root: str, width: int, out: str) -> 
                 msd, osd = get_state_dict(model, opt)
                 now = _full({"model": msd, "optim": osd["state"], "rep": got.state["rep"]})
                 bad = sorted(set(now) ^ set(ref)) + [k for k in ref if k in now and not torch.equal(now[k], ref[k])]
+                dim0 = [v for k, v in got.reads.items() if ".0.weight" not in k]  # all but the dim-1 layer
                 rows.append({"save": s, "load": m, "rank": rank, "bad": bad, "read": got.bytes_read,
-                             "needed": got.bytes_needed, "seconds": took})  # fmt: skip
+                             "needed": got.bytes_needed, "read0": sum(r for r, _ in dim0),
+                             "needed0": sum(n for _, n in dim0), "seconds": took})  # fmt: skip
             dist.barrier()
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, rows)
@@ -134,22 +136,27 @@ def _data_bytes(run: Path) -> int:
     return sum(r.size for n, r in cand.manifest.files.items() if n.startswith("dcp-"))
 
 
-def table(rows: list[dict[str, Any]], root: Path | None = None) -> str:
-    """The matrix as text: a cell per (save, load) size, each rank's bytes read over needed."""
+def _matrix(rows: list[dict[str, Any]], read: str, needed: str) -> list[str]:
     cells: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for r in rows:
         cells.setdefault((r["save"], r["load"]), []).append(r)
-    head = "save \\ load".ljust(12) + "".join(f"{m:<26}" for m in SIZES)
-    lines = [head]
+    lines = ["save \\ load".ljust(12) + "".join(f"{m:<26}" for m in SIZES)]
     for s in SIZES:
         line = f"{s:<12}"
         for m in SIZES:
             rs = sorted(cells.get((s, m), []), key=lambda r: r["rank"])
             ok = len(rs) == m and not any(r["bad"] for r in rs)
-            ratios = " ".join(f"{r['read'] / r['needed']:.2f}" for r in rs)
+            ratios = " ".join(f"{r[read] / r[needed]:.2f}" for r in rs)
             line += f"{('ok ' if ok else 'FAIL ') + ratios:<26}"
         lines.append(line)
-    lines.append("")
+    return lines
+
+
+def table(rows: list[dict[str, Any]], root: Path | None = None) -> str:
+    """The matrix as text: a cell per (save, load) size, each rank's bytes read over needed."""
+    lines = ["all tensors:", *_matrix(rows, "read", "needed"), ""]
+    lines += ["the tensors sharded on dim 0 or replicated (all but the dim-1 layer and its moments):"]
+    lines += [*_matrix(rows, "read0", "needed0"), ""]
     lines.append("cell: bit-exact on every rank ('ok'), then each rank's bytes read / bytes it needed")
     for m in SIZES:
         rs = [r for r in rows if r["load"] == m and r["save"] == 1]

@@ -47,7 +47,7 @@ import warnings
 import zlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,8 @@ class Loaded:
     """Bytes this rank read from the checkpoint's data files."""
     bytes_needed: int = 0
     """The least this rank could have read: the bytes of its parts of the tensors it loaded."""
+    reads: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """(bytes read, bytes needed) by the checkpoint's tensor key."""
 
 
 # ------------------------------------------------------------------ ranks
@@ -363,7 +365,7 @@ def _load_one(ckpt: Path, into: dict[str, Any], ranks: _Ranks, trusted: bool, co
         return targets[keys[key]]
 
     state = decode_state(tree, load_tensor, objects_blob, trusted=trusted)
-    return Loaded(state, man.step, ckpt, reader.bytes_read, reader.bytes_needed), ""
+    return Loaded(state, man.step, ckpt, reader.bytes_read, reader.bytes_needed, reader.reads), ""
 
 
 def _plan(ckpt: Path, into: dict[str, Any], rank: int, trusted: bool) -> tuple[Manifest, dict[str, Any], Any, Any]:

@@ -125,21 +125,20 @@ class RangeReader:
         return bytes(memory_view(int(buf.data_ptr()), where.length))
 
     def read_into(self, where: Stored, want: list[Run], dest: Any, *, sizes: Sequence[int] | None = None,
-                  offsets: Sequence[int] | None = None) -> None:  # fmt: skip
-        """Fill ``dest`` with the runs ``want`` of the stored item ``where``.
+                  offsets: Sequence[int] | None = None) -> int:  # fmt: skip
+        """Fill ``dest`` with the runs ``want`` of the stored item ``where``; return the bytes read.
 
         ``dest`` is a tensor holding exactly those bytes: as one flat byte run
         when ``want`` is a single run, else the hypercube ``offsets`` of a chunk
         of ``sizes`` (both needed then).
         """
         if not want:
-            return
+            return 0
         with self._lock:
             self.bytes_needed += sum(e - b for b, e in want)
         if len(want) == 1 and _flat_ok(dest, want[0][1] - want[0][0]):
-            self._run_into(where, want[0], dest)
-        else:
-            self._gather_into(where, want, dest, sizes, offsets)
+            return self._run_into(where, want[0], dest)
+        return self._gather_into(where, want, dest, sizes, offsets)
 
     # ------------------------------------------------------------------ internals
 
@@ -172,8 +171,8 @@ class RangeReader:
     def _block_span(self, where: Stored, i: int) -> tuple[int, int]:
         return i * where.block, min((i + 1) * where.block, where.length)
 
-    def _pread(self, where: Stored, view: memoryview, off: int) -> None:
-        """Read ``len(view)`` bytes at item offset ``off`` into ``view``."""
+    def _pread(self, where: Stored, view: memoryview, off: int) -> int:
+        """Read ``len(view)`` bytes at item offset ``off`` into ``view``; return how many."""
         fd = self._fd(where.file)
         path = self.ckpt / where.file
         got = 0
@@ -188,6 +187,7 @@ class RangeReader:
         finally:
             with self._lock:
                 self.bytes_read += got
+        return got
 
     def _check(self, where: Stored, i: int, view: memoryview) -> None:
         got = f"{crc32(view):08x}"
@@ -200,7 +200,7 @@ class RangeReader:
                 path,
             )
 
-    def _run_into(self, where: Stored, run: Run, dest: Any) -> None:
+    def _run_into(self, where: Stored, run: Run, dest: Any) -> int:
         """One run into contiguous CPU memory: whole blocks in place, the ends through a buffer."""
         from ..engine.buffers import memory_view
 
@@ -208,23 +208,25 @@ class RangeReader:
         addr = int(dest.data_ptr())
         first, last = self._blocks(where, b, e)
         bounce: bytearray | None = None
+        read = 0
         for i in range(first, last):
             lo, hi = self._block_span(where, i)
             if b <= lo and hi <= e:  # the whole block is wanted: straight into the tensor
                 view = memory_view(addr + lo - b, hi - lo)
-                self._pread(where, view, lo)
+                read += self._pread(where, view, lo)
                 self._check(where, i, view)
                 continue
             if bounce is None:
                 bounce = bytearray(where.block)
             view = memoryview(bounce)[: hi - lo]
-            self._pread(where, view, lo)
+            read += self._pread(where, view, lo)
             self._check(where, i, view)
             s, t = max(b, lo), min(e, hi)
             memory_view(addr + s - b, t - s)[:] = view[s - lo : t - lo]
+        return read
 
     def _gather_into(self, where: Stored, want: list[Run], dest: Any, sizes: Sequence[int] | None,
-                     offsets: Sequence[int] | None) -> None:  # fmt: skip
+                     offsets: Sequence[int] | None) -> int:  # fmt: skip
         """Several runs (or a destination that cannot take bytes): read the blocks they
         touch into one buffer, verify them, then copy the runs out as a strided view."""
         import torch
@@ -240,13 +242,14 @@ class RangeReader:
         buf = torch.empty(self._block_span(where, touched[-1])[1] - base, dtype=torch.uint8)
         whole = memory_view(int(buf.data_ptr()), buf.numel())
         # Consecutive blocks are read with one call each stretch.
+        read = 0
         i = 0
         while i < len(touched):
             j = i
             while j + 1 < len(touched) and touched[j + 1] == touched[j] + 1:
                 j += 1
             lo, hi = touched[i] * where.block, self._block_span(where, touched[j])[1]
-            self._pread(where, whole[lo - base : hi - base], lo)
+            read += self._pread(where, whole[lo - base : hi - base], lo)
             for k in range(touched[i], touched[j] + 1):
                 klo, khi = self._block_span(where, k)
                 self._check(where, k, whole[klo - base : khi - base])
@@ -257,7 +260,7 @@ class RangeReader:
             b, e = want[0]
             src = buf[b - base : e - base].view(dtype)
             dest.view(-1).copy_(src) if dest.is_contiguous() else dest.copy_(src.view(dest.shape))
-            return
+            return read
         assert sizes is not None and offsets is not None, "several runs need the chunk's sizes and the cube's offsets"
         strides = [1] * len(sizes)
         for d in range(len(sizes) - 2, -1, -1):
@@ -268,6 +271,7 @@ class RangeReader:
         flat = buf.view(dtype)
         src = flat.as_strided(tuple(dest.shape), tuple(strides), (first - base) // itemsize)
         dest.copy_(src)
+        return read
 
 
 def _flat_ok(dest: Any, nbytes: int) -> bool:

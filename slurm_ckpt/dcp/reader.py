@@ -69,7 +69,7 @@ class StorageReader(_dcp_storage.StorageReader):
     At any world size: each rank reads only the blocks holding its part of
     each tensor, and verifies each block's crc32 before using it.
     ``bytes_read`` and ``bytes_needed`` count this rank's bytes read and the
-    least it could have read, for the last load.
+    least it could have read, for the last load; ``reads`` the same by key.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, search: Sequence[str | os.PathLike[str]] = (),
@@ -83,6 +83,7 @@ class StorageReader(_dcp_storage.StorageReader):
         self.manifest: Manifest | None = None
         self.bytes_read = 0
         self.bytes_needed = 0
+        self.reads: dict[str, tuple[int, int]] = {}
         self.load_id = uuid.uuid4().hex
         self._storage: dict[Any, Stored] = {}
 
@@ -142,12 +143,13 @@ class StorageReader(_dcp_storage.StorageReader):
         with RangeReader(self.checkpoint, self.manifest.files, threads=cfg.threads or default_threads()) as rr:
             jobs: list[Callable[[], None]] = []
             done: list[Callable[[], None]] = []
+            self.reads = {}
             for req in plan.items:
                 where = self._storage[req.storage_index]
                 if req.type == LoadItemType.BYTE_IO:
                     jobs.append(_bytes_job(rr, where, req, planner, done))
                 else:
-                    jobs.append(_tensor_job(rr, where, req, planner, self._chunk_sizes(req), done))
+                    jobs.append(_tensor_job(rr, where, req, planner, self._chunk_sizes(req), done, self.reads))
             rr.run_all(jobs)
             # The planner's own bookkeeping runs here, on the caller's thread.
             for finish in done:
@@ -182,8 +184,8 @@ def _bytes_job(rr: RangeReader, where: Stored, req: ReadItem, planner: LoadPlann
     return job
 
 
-def _tensor_job(rr: RangeReader, where: Stored, req: ReadItem, planner: LoadPlanner,
-                stored: tuple[torch.dtype, list[int]], done: list[Callable[[], None]]) -> Callable[[], None]:  # fmt: skip
+def _tensor_job(rr: RangeReader, where: Stored, req: ReadItem, planner: LoadPlanner, stored: tuple[torch.dtype, list[int]],
+                done: list[Callable[[], None]], reads: dict[str, tuple[int, int]]) -> Callable[[], None]:  # fmt: skip
     dtype, sizes = stored
     target = planner.resolve_tensor(req).detach()
     lengths = list(req.lengths)
@@ -196,9 +198,16 @@ def _tensor_job(rr: RangeReader, where: Stored, req: ReadItem, planner: LoadPlan
         # else through a tensor of the stored dtype, converted by copy_.
         direct = target.dtype == dtype and target.device.type == "cpu"
         dest = target if direct else torch.empty(lengths, dtype=dtype)
-        rr.read_into(where, want, dest, sizes=sizes, offsets=list(req.storage_offsets))
+        n = rr.read_into(where, want, dest, sizes=sizes, offsets=list(req.storage_offsets))
         if not direct:
             target.copy_(dest)
-        done.append(lambda: planner.commit_tensor(req, target))
+
+        def finish() -> None:
+            key = req.storage_index.fqn
+            r, w = reads.get(key, (0, 0))
+            reads[key] = (r + n, w + sum(e - b for b, e in want))
+            planner.commit_tensor(req, target)
+
+        done.append(finish)
 
     return job

@@ -290,3 +290,38 @@ def test_another_writer_holding_the_run_dir_fails_the_save_clearly(tmp_path: Pat
         with pytest.raises(CheckpointException, match="is locked by another writer"):
             dcp.save({"w": torch.ones(2)}, storage_writer=StorageWriter(run, step=2))
     assert find_latest([run]).step == 1  # type: ignore[union-attr]
+
+
+def test_the_tier_drain_copies_a_dcp_checkpoint_verified(tmp_path: Path) -> None:
+    """A checkpoint committed on scratch reaches the durable run dir through the same drain
+    (``store/tiers.py``) as any other, every byte checked, and loads from there."""
+    from slurm_ckpt.store import RunDir
+    from slurm_ckpt.store.tiers import Tiers
+
+    fast, durable = tmp_path / "scratch" / "ckpt", tmp_path / "durable"
+    state = nested()
+    w = StorageWriter(fast, step=9)
+    dcp.save(state, storage_writer=w)
+    assert w.last_committed is not None
+    tiers = Tiers(RunDir(fast), RunDir(durable), keep=3)
+    tiers.submit(9, w.last_committed)
+    assert tiers.close(timeout=120) and tiers.take_error() is None
+    assert tiers.is_durable(9)
+    man = verify_checkpoint(durable / "step-000000009", full=True)
+    assert is_dcp(man) and man.extra["copied_from"] == str(w.last_committed)
+    target = zeros_like(state)
+    r = StorageReader(durable)
+    dcp.load(target, storage_reader=r)
+    assert r.checkpoint == durable / "step-000000009"
+    assert_same(target, state)
+
+
+def test_ranks_that_resolved_different_checkpoints_are_refused(tmp_path: Path) -> None:
+    """A run dir read while a checkpoint is committed: one rank may see it, another not."""
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    plans = [LoadPlan([], storage_data=(str(tmp_path / "step-000000001"), 1, 1.0)),
+             LoadPlan([], storage_data=(str(tmp_path / "step-000000002"), 2, 2.0))]  # fmt: skip
+    with pytest.raises(ConfigError, match="the ranks resolved different checkpoints"):
+        StorageReader(tmp_path).prepare_global_plan(plans)
+    assert StorageReader(tmp_path).prepare_global_plan(plans[:1] * 2) == plans[:1] * 2

@@ -116,7 +116,7 @@ def test_a_damaged_block_falls_back_to_the_previous_checkpoint(run_dir: Path) ->
 def test_plain_and_sharded_checkpoints_each_name_their_loader(run_dir: Path) -> None:
     with Checkpointer(run_dir / "plain", distributed=False) as ck:
         ck.save({"w": torch.ones(2)}, step=1)
-    with pytest.raises(ConfigError, match="written by Checkpointer.save, not slurm_ckpt.sharded.save: load it with Checkpointer.load_latest"):
+    with pytest.raises(ConfigError, match=r"written by Checkpointer\.save, not slurm_ckpt\.sharded\.save: load it with Checkpointer\.load_latest"):
         sharded.load(run_dir / "plain")
     import torch.distributed.checkpoint as dcp
 
@@ -124,7 +124,7 @@ def test_plain_and_sharded_checkpoints_each_name_their_loader(run_dir: Path) -> 
 
     with pytest.warns(UserWarning, match="single process"):
         dcp.save({"w": torch.ones(2)}, storage_writer=StorageWriter(run_dir / "raw", step=1))
-    with pytest.raises(ConfigError, match="written by dcp.save, not slurm_ckpt.sharded.save: load it with dcp.load"):
+    with pytest.raises(ConfigError, match=r"written by dcp\.save, not slurm_ckpt\.sharded\.save: load it with dcp\.load"):
         sharded.load(run_dir / "raw")
     sharded.save({"w": torch.ones(2)}, run_dir / "sharded", 1)
     with Checkpointer(run_dir / "sharded", distributed=False) as ck, pytest.raises(
