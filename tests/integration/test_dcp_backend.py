@@ -314,6 +314,10 @@ def test_the_tier_drain_copies_a_dcp_checkpoint_verified(tmp_path: Path) -> None
     dcp.load(target, storage_reader=r)
     assert r.checkpoint == durable / "step-000000009"
     assert_same(target, state)
+    # Told about scratch, a reader takes the scratch copy of the newest step.
+    r = StorageReader(durable, search=[fast])
+    dcp.load(zeros_like(state), storage_reader=r)
+    assert r.checkpoint == fast / "step-000000009"
 
 
 def test_ranks_that_resolved_different_checkpoints_are_refused(tmp_path: Path) -> None:
