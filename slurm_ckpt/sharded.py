@@ -136,9 +136,10 @@ def _split(state: Any, *, allow_pickle: bool = False) -> _Split:
     def refer(t: Any, path: str) -> str:
         if id(t) in by_id:
             return by_id[id(t)]
-        key = ".".join(path_parts(path)) or "."
-        while key in tensors or _PER_RANK in key:
-            key = key.replace(_PER_RANK, "#rank'") if _PER_RANK in key else key + "'"
+        # The suffix marks per-rank copies, so a key of the state may not end in it.
+        key = (".".join(path_parts(path)) or ".").replace(_PER_RANK, _PER_RANK + "'")
+        while key in tensors:
+            key += "'"
         tensors[key] = t
         by_id[id(t)] = key
         return key
@@ -347,7 +348,7 @@ def _load_one(ckpt: Path, into: dict[str, Any], ranks: _Ranks, trusted: bool, co
     if bad:
         return None, "; ".join(bad)
     assert plan is not None
-    man, targets, tree, objects_blob = plan
+    man, targets, refs, tree, objects_blob = plan
     reader = StorageReader(ckpt, config=config)
     try:
         with warnings.catch_warnings():
@@ -359,17 +360,17 @@ def _load_one(ckpt: Path, into: dict[str, Any], ranks: _Ranks, trusted: bool, co
         if errors and all(isinstance(x, (CheckpointCorrupt, StorageError)) for x in errors):
             return None, "; ".join(f"rank {r}: {x}" for r, x in zip(e.failures, errors, strict=True))
         raise
-    keys = {k.split(_PER_RANK)[0] if _PER_RANK in k else k: k for k in targets}
-
     def load_tensor(key: str) -> Any:
-        return targets[keys[key]]
+        return targets[refs[key]]
 
     state = decode_state(tree, load_tensor, objects_blob, trusted=trusted)
     return Loaded(state, man.step, ckpt, reader.bytes_read, reader.bytes_needed, reader.reads), ""
 
 
-def _plan(ckpt: Path, into: dict[str, Any], rank: int, trusted: bool) -> tuple[Manifest, dict[str, Any], Any, Any]:
-    """What this rank loads from ``ckpt``: (manifest, DCP targets by key, its tree, objects reader)."""
+def _plan(ckpt: Path, into: dict[str, Any], rank: int,
+          trusted: bool) -> tuple[Manifest, dict[str, Any], dict[str, str], Any, Any]:  # fmt: skip
+    """What this rank loads from ``ckpt``: (manifest, DCP targets by stored key, the stored key
+    of each key its tree refers to, its tree, its objects)."""
     import torch
 
     from .dcp.index import is_dcp
@@ -399,8 +400,9 @@ def _plan(ckpt: Path, into: dict[str, Any], rank: int, trusted: bool) -> tuple[M
             "shaped like the saved one (saved as {'model': msd, 'optim': osd}, load with into={'model': msd, 'optim': osd})"
         )
     targets: dict[str, Any] = {}
+    refs: dict[str, str] = {}
     for k in wanted:
-        key = f"{k}{_PER_RANK}{src}" if k in per_rank else k
+        key = refs[k] = f"{k}{_PER_RANK}{src}" if k in per_rank else k
         entry = man.tensors.get(key)
         if entry is None or "chunks" not in entry:
             raise CheckpointCorrupt(f"{ckpt}: tensor {key!r} missing from the manifest", ckpt)
@@ -423,7 +425,7 @@ def _plan(ckpt: Path, into: dict[str, Any], rank: int, trusted: bool) -> tuple[M
         def objects_blob() -> bytes:
             return mine
 
-    return man, targets, tree, objects_blob
+    return man, targets, refs, tree, objects_blob
 
 
 def _verified(ckpt: Path, man: Manifest, name: str) -> bytes:

@@ -140,7 +140,6 @@ class StorageWriter(_dcp_storage.StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.last_committed: Path | None = None
         self._pending: _Pending | None = None
-        self._layouts: dict[str, dict[str, Any]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # dcp.async_save with a process executor sends the writer to a subprocess:
@@ -174,7 +173,6 @@ class StorageWriter(_dcp_storage.StorageWriter):
             raise ConfigError(f"step must be >= 0, got {self.step}")
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
-        self._layouts = {}
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan

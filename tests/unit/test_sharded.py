@@ -39,6 +39,7 @@ def state() -> dict[str, Any]:
         "step": 7,
         "sched": {"milestones": {3: 1, 9: 2}, "gamma": float("inf"), "name": "cosine", "t": (1, 2)},
         "blob": b"\x00\xff",
+        "odd#rank0": torch.tensor([5.0]),  # looks like the per-rank suffix, and is not one
     }
 
 
@@ -50,8 +51,9 @@ def test_a_load_without_into_gives_the_state_back_whole(run_dir: Path) -> None:
     assert got is not None and got.step == 7 and got.path == path
     assert torch.equal(got.state["model"]["w"], s["model"]["w"]) and torch.equal(got.state["rng"], s["rng"])
     assert got.state["head"] is got.state["model"]["w"]  # ties survive
-    assert {k: v for k, v in got.state.items() if k not in ("model", "head", "rng")} == {
-        k: v for k, v in s.items() if k not in ("model", "head", "rng")
+    assert torch.equal(got.state["odd#rank0"], s["odd#rank0"])
+    assert {k: v for k, v in got.state.items() if k not in ("model", "head", "rng", "odd#rank0")} == {
+        k: v for k, v in s.items() if k not in ("model", "head", "rng", "odd#rank0")
     }
     # Plain values are JSON, readable by anyone, and nothing is pickled.
     doc = json.loads((path / "state.json").read_text())
