@@ -57,6 +57,8 @@ def resolve(path: Path, search: Sequence[Path] = ()) -> tuple[Path, Manifest]:
     if cand is None:
         why = "".join(f"; skipped {s.path.name}: {s.reason}" for s in skipped)
         raise NoCheckpoint(f"no valid checkpoint in {' or '.join(map(str, [*search, path]))}{why}")
+    for s in skipped:  # a newer one passed over is worth a warning, as discovery gives everywhere
+        log.warning("skipping %s: %s", s.path, s.reason)
     return cand.path, cand.manifest
 
 

@@ -201,7 +201,7 @@ def test_a_damaged_block_fails_the_load_naming_the_file(tmp_path: Path) -> None:
     assert out.exit_code == 4 and "dcp-00000.safetensors: checksum mismatch" in out.output
 
 
-def test_a_run_dir_loads_its_newest_valid_checkpoint(tmp_path: Path) -> None:
+def test_a_run_dir_loads_its_newest_valid_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     run = tmp_path / "run"
     for step in (1, 2, 3):
         dcp.save(nested(step), storage_writer=StorageWriter(run, step=step, keep=10))
@@ -212,6 +212,11 @@ def test_a_run_dir_loads_its_newest_valid_checkpoint(tmp_path: Path) -> None:
     dcp.load(target, storage_reader=r)
     assert r.checkpoint == run / "step-000000002"
     assert_same(target, nested(2))
+    assert any("skipping" in m and "step-000000003" in m and "size is 1000" in m for m in caplog.messages)
+    for step in (1, 2):
+        (run / f"step-{step:09d}" / "MANIFEST.json").unlink()
+    with pytest.raises(CheckpointException, match=r"no valid checkpoint in .*skipped step-000000003: .*size is 1000"):
+        dcp.load(zeros_like(nested()), storage_reader=StorageReader(run))
 
 
 def test_the_cli_lists_verifies_and_resumes_it(tmp_path: Path) -> None:
