@@ -6,6 +6,7 @@ Several ranks (per-rank values, resharding) are in ``tests/integration/test_dcp_
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 
 from slurm_ckpt import Checkpointer, sharded
 from slurm_ckpt.errors import CheckpointCorrupt, ConfigError, UnsafeLoad, UnsupportedValue
+from slurm_ckpt.store import verify_checkpoint
 
 
 @pytest.fixture
@@ -52,6 +54,9 @@ def test_a_load_without_into_gives_the_state_back_whole(run_dir: Path) -> None:
     assert torch.equal(got.state["model"]["w"], s["model"]["w"]) and torch.equal(got.state["rng"], s["rng"])
     assert got.state["head"] is got.state["model"]["w"]  # ties survive
     assert torch.equal(got.state["odd#rank0"], s["odd#rank0"])
+    # Only per-rank copies are stored under a per-rank key: here, none.
+    stored = verify_checkpoint(path).tensors
+    assert not [k for k in stored if re.search(r"#rank\d+$", k)], sorted(stored)
     assert {k: v for k, v in got.state.items() if k not in ("model", "head", "rng", "odd#rank0")} == {
         k: v for k, v in s.items() if k not in ("model", "head", "rng", "odd#rank0")
     }
@@ -97,7 +102,6 @@ def test_objects_need_allow_pickle_to_save_and_trusted_to_load(run_dir: Path) ->
 
 
 def test_a_damaged_block_falls_back_to_the_previous_checkpoint(run_dir: Path) -> None:
-    from slurm_ckpt.store import verify_checkpoint
 
     for step in (1, 2):
         sharded.save({"w": torch.full((300_000,), float(step))}, run_dir, step, keep=5)
