@@ -102,7 +102,6 @@ def test_objects_need_allow_pickle_to_save_and_trusted_to_load(run_dir: Path) ->
 
 
 def test_a_damaged_block_falls_back_to_the_previous_checkpoint(run_dir: Path) -> None:
-
     for step in (1, 2):
         sharded.save({"w": torch.full((300_000,), float(step))}, run_dir, step, keep=5)
     newest = run_dir / "step-000000002"
