@@ -167,6 +167,9 @@ def _digest(t: Any) -> tuple[str, tuple[int, ...], str]:
     """What says whether two ranks' plain tensors are the same value."""
     from .store.tensorfile import tensor_bytes
 
+    if is_dtensor(t):  # its data pointer is the wrapper's (0): there are no bytes to compare
+        raise TypeError("a DTensor is one global tensor, not a value of each rank")
+
     c = t.detach().to("cpu").contiguous()
     return str(c.dtype), tuple(c.shape), f"{zlib.crc32(tensor_bytes(c)):08x}"
 
