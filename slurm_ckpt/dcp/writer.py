@@ -9,9 +9,9 @@ DCP drives a save in four calls; each does its part of our commit:
    safetensors-layout file in the staging dir with the engine's parallel
    ``O_DIRECT`` writer, fsync it, and report each chunk's place and block crcs;
 3. ``finish`` (coordinator, only once every rank reported success): commit
-   with :func:`~slurm_ckpt.store.commit.commit`, whose write step moves the
-   fsynced files from the staging dir into its temp dir; then the manifest
-   last, fsync, rename to ``step-N``, fsync the run dir; then retention.
+   the staging dir, which already holds the fsynced files, with
+   :func:`~slurm_ckpt.store.commit.commit` (``into=``): the manifest last,
+   fsync, rename to ``step-N``, fsync the run dir; then retention.
 
 A rank that fails or dies before step 3 leaves only the staging dir, which
 discovery never reads and the next writer removes; ``step-N`` appears whole or
@@ -183,7 +183,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
         run = RunDir(self.run_dir, lock_timeout=self.lock_timeout)
         # One writer per run dir; taking the lock also removes dead writers' temp dirs.
         run.lock()
-        staging = tmp_dir_for(run.path, self.step)
+        staging = tmp_dir_for(run.path, step_dir(run.path, self.step).name)
         try:
             staging.mkdir(mode=0o755)
         except OSError as e:
@@ -230,19 +230,15 @@ class StorageWriter(_dcp_storage.StorageWriter):
         extra = {**self.extra, "layout": LAYOUT,
                  "dcp": planner_extra(metadata.planner_data, metadata.version)}  # fmt: skip
 
-        def move_in(tmp: Path) -> tuple[dict[str, FileRecord], dict[str, Any]]:
-            # Each rank fsynced its file; the rename only moves the name, and
-            # commit() fsyncs this dir before it renames it into place.
-            for name in files:
-                try:
-                    os.rename(pending.staging / name, tmp / name)
-                except OSError as e:
-                    raise storage_error(e, "cannot move a rank's file into the checkpoint", pending.staging / name) from e
-            return {**files, **write_small_files(tmp, self.files)}, tensors
+        def add_small_files(staging: Path) -> tuple[dict[str, FileRecord], dict[str, Any]]:
+            # Every rank fsynced its own file there already; commit() fsyncs the
+            # dir itself before it renames it into place.
+            return {**files, **write_small_files(staging, self.files)}, tensors
 
         try:
-            path = commit(pending.run.path, pending.step, move_in, world_size=len(results),
-                          nbytes=sum(r.size for r in files.values()), job_id=job_id(), extra=extra)  # fmt: skip
+            path = commit(pending.run.path, pending.step, add_small_files, into=pending.staging,
+                          world_size=len(results), nbytes=sum(r.size for r in files.values()),
+                          job_id=job_id(), extra=extra)  # fmt: skip
             self.last_committed = path
             try:
                 pending.run.retain(self.keep, protect=[path])
