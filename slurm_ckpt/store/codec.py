@@ -35,7 +35,7 @@ from typing import Any
 
 from ..errors import UnsafeLoad, UnsupportedValue
 
-__all__ = ["EncodedState", "TensorEntry", "decode_state", "encode_state", "torch_dtype"]
+__all__ = ["EncodedState", "TensorEntry", "decode_state", "encode_state", "is_dtensor", "path_parts", "torch_dtype"]
 
 # safetensors' dtype names; F8 types exist in torch >= 2.1.
 _DTYPES = {
@@ -96,14 +96,35 @@ def _escape(part: str) -> str:
     return part.replace("%", "%25").replace("/", "%2F")
 
 
+def path_parts(path: str) -> list[str]:
+    """The keys and indices of a value's ``path`` in the state (``/model/0.weight`` -> model, 0.weight)."""
+    return [p.replace("%2F", "/").replace("%25", "%") for p in path.split("/")[1:]]
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing torch.distributed)."""
+    import sys
+
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
 def encode_state(
-    state: Any, *, allow_pickle: bool = False, prepare: Callable[[Any], Any] | None = None
+    state: Any,
+    *,
+    allow_pickle: bool = False,
+    prepare: Callable[[Any], Any] | None = None,
+    refer: Callable[[Any, str], str] | None = None,
 ) -> EncodedState:
     """Split ``state`` into a JSON tree and a list of tensors.
 
     ``prepare`` maps each tensor to the CPU contiguous tensor that will be
     written (the engine passes its staging copy here); by default tensors are
     moved to the CPU and made contiguous, copying only when needed.
+
+    ``refer(tensor, path)``, when given, takes every tensor (DTensors and numpy
+    arrays too) instead of the tensor list, and returns the key the tree refers
+    to it by: the sharded path (``slurm_ckpt.sharded``) stores them itself.
     """
     out = EncodedState(tree=None)
     seen: dict[tuple[Any, ...], str] = {}
@@ -111,6 +132,16 @@ def encode_state(
     keys: set[str] = {"__metadata__"}
 
     def tensor_ref(t: Any, path: str, tag: str) -> dict[str, str]:
+        if refer is not None:
+            return {tag: refer(t, path)}
+        if is_dtensor(t):
+            # Its storage is a wrapper with no data of its own, and its local shard
+            # alone would be saved as if it were the whole tensor.
+            raise UnsupportedValue(
+                f"{path or '/'}: a DTensor (FSDP2, tensor parallel) cannot be saved as a plain "
+                "tensor: save sharded states with slurm_ckpt.sharded.save, or with dcp.save and "
+                "storage_writer=slurm_ckpt.dcp.StorageWriter(run_dir, step=N)"
+            )
         ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
                  tuple(t.stride()), t.dtype, str(t.device))  # fmt: skip
         if t.numel() and ident in seen:

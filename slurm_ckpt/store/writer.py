@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointCorrupt, UnsafeLoad, storage_error
+from ..errors import CheckpointCorrupt, ConfigError, UnsafeLoad, storage_error
 from .codec import EncodedState, decode_state
 from .fsutil import write_file_durably
 from .manifest import Manifest
@@ -91,6 +91,12 @@ def load_state(
 
     ``read`` reads one data file (``slurm_ckpt.engine`` passes its parallel reader).
     """
+    if man.extra.get("layout") == "dcp":
+        # Its tensor index holds global shapes and chunks, not whole tensors by file.
+        raise ConfigError(
+            f"{ckpt} is a sharded checkpoint written through slurm_ckpt.dcp: load it with "
+            "slurm_ckpt.sharded.load(run_dir, into=...) or dcp.load with slurm_ckpt.dcp.StorageReader"
+        )
     for small in (STATE_FILE, OBJECTS_FILE):
         rec = man.files.get(small)
         if rec is not None and crc_file(ckpt / small) != rec.checksum:
