@@ -20,6 +20,10 @@ buffer, verified, and copied out.
 
 The reads are ordinary buffered ``preadv`` calls on a thread pool (they and the
 crc32 release the GIL).
+
+An item stored without block crcs (a tensor of a checkpoint that
+``Checkpointer.save`` wrote of plain tensors, ``plain.py``) is read after its
+whole file has been checked once against the manifest's crc32.
 """
 
 from __future__ import annotations
@@ -91,6 +95,8 @@ class RangeReader:
         self.bytes_needed = 0
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._whole: dict[str, threading.Lock] = {}
+        self._checked: set[str] = set()
 
     def close(self) -> None:
         with self._lock:
@@ -134,6 +140,8 @@ class RangeReader:
         """
         if not want:
             return 0
+        if not where.crcs:
+            self._check_file(where.file)
         with self._lock:
             self.bytes_needed += sum(e - b for b, e in want)
         if len(want) == 1 and _flat_ok(dest, want[0][1] - want[0][0]):
@@ -189,7 +197,39 @@ class RangeReader:
                 self.bytes_read += got
         return got
 
+    def _check_file(self, name: str) -> None:
+        """Check a whole file against the manifest's crc32, once (for items without block crcs)."""
+        with self._lock:
+            if name in self._checked:
+                return
+            lock = self._whole.setdefault(name, threading.Lock())
+        with lock:
+            if name in self._checked:
+                return
+            fd, size, path = self._fd(name), self.files[name].size, self.ckpt / name
+            buf = bytearray(min(size, 8 << 20) or 1)
+            view, crc, off = memoryview(buf), 0, 0
+            try:
+                while off < size:
+                    n = os.preadv(fd, [view[: min(len(buf), size - off)]], off)
+                    if n == 0:
+                        raise CheckpointCorrupt(f"{path}: unexpected end of file at byte {off}", path)
+                    crc = crc32(view[:n], crc)
+                    off += n
+            except OSError as e:
+                raise storage_error(e, "cannot read checkpoint file", path) from e
+            finally:
+                with self._lock:
+                    self.bytes_read += off
+            if f"{crc:08x}" != self.files[name].checksum:
+                raise CheckpointCorrupt(f"{path}: checksum mismatch: expected crc32 {self.files[name].checksum}, "
+                                        f"got {crc:08x}", path)  # fmt: skip
+            with self._lock:
+                self._checked.add(name)
+
     def _check(self, where: Stored, i: int, view: memoryview) -> None:
+        if not where.crcs:  # checked whole, before the first read (_check_file)
+            return
         got = f"{crc32(view):08x}"
         if got != where.crcs[i]:
             path = self.ckpt / where.file
