@@ -384,8 +384,11 @@ def decode_state(
 
     def storage_of(rec: dict[str, Any]) -> Any:
         base = tensor(rec["of"])
+        if not base.is_contiguous():  # an into= tensor copied into, not laid out as the storage
+            base = base.contiguous()
         device = rec.get("device")
-        if restore_device and device is not None and str(base.device) != device:
+        # A view copied into an into= tensor stays where it is read: the copy moves it.
+        if restore_device and device is not None and str(base.device) != device and rec["key"] not in targets:
             if (rec["of"], device) not in moved:
                 moved[rec["of"], device] = _to_device(base, device, rec["key"])
             base = moved[rec["of"], device]

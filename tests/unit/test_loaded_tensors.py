@@ -197,3 +197,34 @@ def test_a_state_dict_keeps_its_type_and_module_versions(tmp_path: Path) -> None
     assert type(got["model"]) is type(sd) and list(got["model"]) == list(sd)
     assert got["model"]._metadata == sd._metadata and got["model"]._metadata["1"]["version"] == 2
     assert type(got["plain"]) is dict
+
+
+def test_views_of_other_dtypes_share_the_storage_torch_save_refuses(tmp_path: Path) -> None:
+    # torch.save refuses "multiple tensors ... that view the same data as different types";
+    # they are stored once, as bytes, and come back sharing it.
+    f = torch.randn(6)
+    state = {"f": f[1:], "bytes": f.view(torch.uint8)[4:12], "ints": f.view(torch.int32)}
+    path, man = saved(state, tmp_path)
+    got = Engine().load(path, man)
+    for k in state:
+        assert torch.equal(got[k], state[k]) and got[k].dtype == state[k].dtype
+        assert got[k].storage_offset() == state[k].storage_offset()
+    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1
+    got["ints"][1] = 0
+    assert got["f"][0] == 0 and not got["bytes"][:4].any()  # one memory, as saved
+
+
+def test_into_a_cpu_model_loads_views_saved_on_a_gpu_without_cuda(tmp_path: Path) -> None:
+    path = gpu_made(tmp_path)
+    mine = torch.zeros(10)
+    got = Engine().load(path, verify_checkpoint(path), into={"w": mine, "v": mine[2:5]})
+    assert got["w"] is mine and torch.equal(mine, torch.arange(10.0))
+
+
+def test_into_a_transposed_tensor_still_gives_its_views_the_saved_values(tmp_path: Path) -> None:
+    buf = torch.arange(40.0).reshape(5, 8)
+    path, man = saved({"buf": buf, "row": buf[1]}, tmp_path)
+    mine = torch.zeros(8, 5).t()  # not laid out as the saved storage: copied into
+    row = torch.zeros(8)
+    got = Engine().load(path, man, into={"buf": mine, "row": row})
+    assert torch.equal(mine, buf) and torch.equal(row, buf[1]) and got["row"] is row
