@@ -242,14 +242,13 @@ def _read(
         store = _storage(hi - lo + ALIGN)
         pad = -store.data_ptr() % ALIGN
         base = store.data_ptr() + pad
-        buffer = store.untyped_storage()
-        for key, dtype, shape, begin, end in entries:
+        buffer = store.numpy()
+        for key, dtype, shape, begin, _ in entries:
             off = pad + start + begin - lo
             if off % dtype.itemsize:
                 unaligned.append((key, base - pad + off, dtype, shape))  # copied once it is read
             else:
-                window = buffer[off : off + end - begin]  # a storage of its own; holds the buffer
-                out[key] = torch.empty(0, dtype=dtype).set_(window, 0, shape, contiguous_strides(shape))
+                out[key] = _window(store, buffer, off, dtype, shape)
         for off in range(lo, hi, chunk):
             n = min(chunk, hi - off)
             wb, we = max(off, rb), min(off + n, re)
@@ -321,6 +320,23 @@ def _read(
         ctypes.memmove(copy.data_ptr(), addr, copy.numel() * copy.element_size())
         out[key] = copy
     return dict(sorted(out.items(), key=lambda kv: order[kv[0]])), crc
+
+
+def _window(store: Any, buffer: Any, off: int, dtype: Any, shape: list[int]) -> Any:
+    """The tensor at byte ``off`` of the uint8 tensor ``store`` (``buffer``: its numpy view),
+    on a storage of its own (offset 0, its size, not resizable, holding ``store`` alive), as
+    ``torch.load`` gives one."""
+    import torch
+
+    numel = math.prod(shape)
+    if not numel:
+        return torch.empty(0, dtype=dtype).set_(store.untyped_storage()[off:off], 0, shape, contiguous_strides(shape))
+    # frombuffer: one call makes the storage and the tensor (the cheapest way for the
+    # thousands of small ones); set_, not a view, for other shapes, so it has no _base.
+    t = torch.frombuffer(buffer, dtype=dtype, offset=off, count=numel)
+    if len(shape) != 1:
+        t.set_(t.untyped_storage(), 0, shape, contiguous_strides(shape))
+    return t
 
 
 def _items_into(addr: int, rb: int, re: int, chunk: int) -> list[_Item]:
@@ -422,7 +438,7 @@ def _map(
     mm = _mmap.mmap(fd, size, flags=_mmap.MAP_PRIVATE, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
     with _suppress_unsupported():
         mm.madvise(_mmap.MADV_SEQUENTIAL)
-    whole = torch.frombuffer(mm, dtype=torch.uint8).untyped_storage()  # holds a reference to mm
+    whole = torch.frombuffer(mm, dtype=torch.uint8)  # holds a reference to mm
     out: dict[str, Any] = {}
     for key, dtype, shape, begin, end in layout:
         a, b = start + begin, start + end
@@ -430,7 +446,7 @@ def _map(
             t = torch.empty(shape, dtype=dtype)
             ctypes.memmove(t.data_ptr(), address_of(mm) + a, b - a)
         else:  # a window keeps the whole mapping alive
-            t = torch.empty(0, dtype=dtype).set_(whole[a:b], 0, shape, contiguous_strides(shape))
+            t = _window(whole, mm, a, dtype, shape)
         out[key] = t
     crc = 0
     if verify and size > start:
