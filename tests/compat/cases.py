@@ -209,6 +209,7 @@ def layout(state: Any) -> list[dict[str, Any]]:
             "storage_nbytes": storage.nbytes(),
             "device": str(t.device),
             "requires_grad": t.requires_grad,
+            "is a view (has a _base)": t._base is not None,
             "storage": group,
             "at_byte": t.data_ptr() - storage.data_ptr() if storage.nbytes() else 0,
             "same_object_as": objects.setdefault(id(t), path),
