@@ -36,6 +36,7 @@ __all__ = [
     "StorageConfig",
     "WrapperConfig",
     "format_size",
+    "job_dir_name",
     "load_config",
     "parse_size",
 ]
@@ -87,6 +88,11 @@ def format_size(n: float) -> str:
 
 class Size(int):
     """An int of bytes that config files may spell ``40G``."""
+
+
+def job_dir_name(job_id: str) -> str:
+    """``job_<id>``: a job's dir under ``<storage.root>/<user>/`` and under ``scratch.base``."""
+    return f"job_{job_id}"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import ConfigError
+from ..store.tiers import fast_dir
 from . import cgroup, loopfs, quota
 from .hook import HookContext, load_context, setup_logging
 from .job import InvalidJob
@@ -69,8 +70,8 @@ def _stage_and_clean(ctx: HookContext, base_fd: int) -> StageResult | None:
         ledger.release(job.job_id)
         _remove_report(ctx)
         return None
-    if os.path.lexists(ctx.scratch / "ckpt"):
-        result = stage_out(ctx.scratch / "ckpt", ctx.default_durable, job, ctx.deadline.left(CLEANUP_RESERVE))
+    if os.path.lexists(fast_dir(ctx.scratch)):
+        result = stage_out(fast_dir(ctx.scratch), ctx.default_durable, job, ctx.deadline.left(CLEANUP_RESERVE))
     else:
         result = StageResult("none", "no ckpt dir in scratch")
     log.info("stage-out %s: %r", result.status, result.detail)

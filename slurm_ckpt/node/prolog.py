@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, IOLimits
+from ..config import Config, IOLimits, job_dir_name
 from ..errors import ConfigError, StorageError, storage_error
 from . import cgroup, loopfs, quota
 from .hook import HookContext, load_context, setup_logging
@@ -82,7 +82,7 @@ def _prepare(ctx: HookContext, base_fd: int, state_fd: int) -> JobReport:
     def alive(job_id: str, entry: dict[str, Any]) -> bool:
         # A reservation younger than a prolog's time budget may still be making its dir.
         young = time.time() - float(entry.get("since", 0)) < 2 * sc.prolog_timeout
-        return young or os.path.lexists(ctx.base / f"job_{job_id}")
+        return young or os.path.lexists(ctx.base / job_dir_name(job_id))
 
     grant = ledger.reserve(job.job_id, asked, uid=job.uid, policy=sc.over_reserve,
                            min_size=sc.min_size, alive=alive)  # fmt: skip

@@ -28,12 +28,12 @@ from ..store.layout import list_steps
 from ..store.manifest import MANIFEST, Manifest
 from ..store.retention import apply_retention
 from ..store.retry import prune_for_space, pruned_once
-from ..store.shards import plain_files
+from ..store.tiers import TIER_FILE
+from ..store.verify import plain_files
 from .job import Job
 
 __all__ = ["TIER_FILE", "StageResult", "Tier", "read_tier", "stage_out"]
 
-TIER_FILE = "TIER.json"
 _MAX_TIER = 64 * 1024
 _MAX_KEEP = 1_000_000
 STAGE_MEMORY = 4 * 1024**3

@@ -139,8 +139,8 @@ def test_the_epilog_stage_out_makes_room_with_the_jobs_keep(
     import json
 
     from slurm_ckpt.node.job import Job
-    from slurm_ckpt.node.stageout import TIER_FILE, read_tier, stage_out
-    from slurm_ckpt.store.tiers import write_tier_file
+    from slurm_ckpt.node.stageout import read_tier, stage_out
+    from slurm_ckpt.store.tiers import TIER_FILE, write_tier_file
 
     durable = tmpfs("8m")
     with Checkpointer(durable, scratch=False, keep=10) as ck:

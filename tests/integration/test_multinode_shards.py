@@ -471,6 +471,7 @@ def _fail(base: Path, rank: int) -> dict[str, Any]:
     import errno
 
     from slurm_ckpt.errors import NoSpace
+    from slurm_ckpt.placement import CrossNode
 
     run = base / "fail"
     ckpt = _ckpt(run, rank)
@@ -481,7 +482,8 @@ def _fail(base: Path, rank: int) -> dict[str, Any]:
             def write_failing(tmp: Path) -> Any:
                 raise NoSpace(errno.ENOSPC, "cannot write data file", tmp / "x")
 
-            ckpt.crossnode.commit(5, write_failing)
+            assert isinstance(ckpt.placement, CrossNode)
+            ckpt.placement.commit(5, write_failing)
         else:
             ckpt.save(_state(rank, 5), step=5)
     except Exception as e:
@@ -545,6 +547,7 @@ def _nodrain(base: Path, rank: int, name: str = "nodrain") -> dict[str, Any]:
 def _death(base: Path, rank: int) -> dict[str, Any]:
     from slurm_ckpt import Checkpointer
     from slurm_ckpt.config import Config
+    from slurm_ckpt.placement import CrossNode
 
     ckpt = Checkpointer(base / "run", config=Config(), scratch=base / f"scratch{rank}")
     ckpt.save(_state(rank, 10), step=10)
@@ -559,7 +562,8 @@ def _death(base: Path, rank: int) -> dict[str, Any]:
                 time.sleep(120)
                 raise AssertionError("rank 1 should have been killed")
 
-            ckpt.crossnode.commit(20, write_stalling)
+            assert isinstance(ckpt.placement, CrossNode)
+            ckpt.placement.commit(20, write_stalling)
         else:
             ckpt.save(_state(rank, 20), step=20)
     except Exception as e:
