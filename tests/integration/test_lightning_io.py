@@ -147,3 +147,16 @@ def test_async_save_commits_and_writes_pointers_by_teardown(tmp_path: Path, io: 
     assert sorted(read_pointer(p) for p in (tmp_path / "ckpt").iterdir()) == [3, 6, 9]
     saved = io.load_checkpoint(tmp_path / "ckpt" / "epoch=0-step=9.ckpt")["state_dict"]
     assert torch.equal(saved["net.weight"], model.net.weight.detach())
+
+
+def test_lightning_hpc_resume_fails_on_the_first_run_where_resume_path_starts_fresh(
+    tmp_path: Path, io: SlurmCkptIO
+) -> None:
+    """Lightning's own ckpt_path="hpc" (its SLURM resume) raises when no HPC checkpoint exists yet."""
+    with pytest.raises(ValueError, match="no HPC checkpoint was found"):
+        _trainer(tmp_path, SlurmCkptIO(Checkpointer(tmp_path / "other", scratch=False)), [], 2).fit(
+            Tiny(), _loader(), ckpt_path="hpc"
+        )
+    trainer = _trainer(tmp_path, io, [PreemptionCallback()], steps=2)
+    trainer.fit(Tiny(), _loader(), ckpt_path=io.resume_path())
+    assert trainer.global_step == 2
