@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CheckpointCorrupt, ConfigError, UnsafeLoad, storage_error
-from ..store.codec import decode_state, torch_dtype
+from ..store.codec import contiguous_strides, decode_state, tensor_refs, torch_dtype
 from ..store.fsutil import open_regular, read_small
 from ..store.manifest import Manifest
 from ..store.shards import SHARD_PREFIX, shard_name
@@ -74,17 +74,27 @@ def plain_metadata(ckpt: Path, man: Manifest, *, trusted: bool) -> tuple[Metadat
     where: dict[str, Stored] = {}
     for fname in sorted({str(e["file"]) for e in man.tensors.values()}):
         where.update(_file_entries(ckpt, man, fname))
+    tree = json.loads(_verified(ckpt, man, STATE_FILE))
+    views = {k: rec for k, rec in tensor_refs(tree).items() if rec is not None}
     placeholders: dict[int, str] = {}
+    chunks: dict[str, Stored] = {}
 
     def placeholder(key: str) -> Any:
-        entry = man.tensors.get(key)
-        if entry is None or key not in where:
-            raise CheckpointCorrupt(f"{ckpt}: tensor {key!r} missing", ckpt)
-        t = torch.empty([int(d) for d in entry["shape"]], dtype=torch_dtype(entry["dtype"]), device="meta")
+        if key in views:
+            rec = views[key]
+            shape, dtype = [int(d) for d in rec["shape"]], torch_dtype(rec["dtype"])
+            # A view's key may be its storage's too: the view's chunk goes to ``chunks``.
+            chunks[key] = _view_chunk(ckpt, key, rec, where.get(str(rec["of"])), shape, dtype)
+        else:
+            entry = man.tensors.get(key)
+            if entry is None or key not in where:
+                raise CheckpointCorrupt(f"{ckpt}: tensor {key!r} missing", ckpt)
+            shape, dtype = [int(d) for d in entry["shape"]], torch_dtype(entry["dtype"])
+            chunks[key] = where[key]
+        t = torch.empty(shape, dtype=dtype, device="meta")
         placeholders[id(t)] = key
         return t
 
-    tree = json.loads(_verified(ckpt, man, STATE_FILE))
     flat, mapping = _flat(tree, placeholder)
     objects = _objects(ckpt, man, OBJECTS_FILE, trusted, lambda blob: pickle.loads(blob))
     sdm: dict[str, Any] = {}
@@ -99,7 +109,7 @@ def plain_metadata(ckpt: Path, man: Manifest, *, trusted: bool) -> tuple[Metadat
         shape = torch.Size(obj.shape)
         chunk = ChunkStorageMetadata(torch.Size([0] * len(shape)), shape)
         sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=obj.dtype), shape, [chunk])
-        storage[MetadataIndex(fqn, chunk.offsets)] = where[key]
+        storage[MetadataIndex(fqn, chunk.offsets)] = chunks[key]
     return Metadata(state_dict_metadata=sdm, planner_data=mapping, storage_data=storage), values
 
 
@@ -147,6 +157,8 @@ def _flat(tree: Any, load_tensor: Callable[[str], Any]) -> tuple[dict[str, Any],
         if isinstance(t, dict):
             if len(t) == 1 and "$np" in t:  # DCP offers numpy arrays as tensors
                 return {"$t": t["$np"]}
+            if len(t) == 1 and "$view" in t:  # a placeholder, like any tensor: see _view_chunk
+                return {"$t": t["$view"]["key"]}
             if len(t) == 1 and "$pickle" in t:  # decoded as a plain dict, turned into a _Pickled below
                 return {_OBJREF: t["$pickle"]}
             return {k: prepare(v) for k, v in t.items()}
@@ -241,6 +253,27 @@ def _file_entries(ckpt: Path, man: Manifest, fname: str) -> dict[str, Stored]:
             raise CheckpointCorrupt(f"{path}: entry {key!r} holds {end - begin} bytes, not its shape's", path)
         out[key] = Stored(fname, len(raw) + begin, end - begin, block_size(end - begin), ())
     return out
+
+
+def _view_chunk(ckpt: Path, key: str, rec: dict[str, Any], base: Stored | None, shape: list[int],
+                dtype: torch.dtype) -> Stored:  # fmt: skip
+    """Where a ``$view`` tensor's bytes lie: one run inside its storage's entry.
+
+    DCP reads a chunk as one run of bytes, so only a view laid out contiguously
+    is offered; any other (a transpose, a strided slice) is refused, naming the
+    loader that rebuilds it.
+    """
+    if base is None:
+        raise CheckpointCorrupt(f"{ckpt}: storage {rec['of']!r} of tensor {key!r} missing", ckpt)
+    numel = math.prod(shape)
+    want = contiguous_strides(shape)
+    if numel and any(n != 1 and int(s) != w for n, s, w in zip(shape, rec["stride"], want, strict=True)):
+        raise ConfigError(f"{ckpt}: tensor {key!r} was saved as a non-contiguous view, which dcp.load cannot "
+                          "read as one chunk; load this checkpoint with Checkpointer.load_latest")  # fmt: skip
+    at, length = int(rec["offset"]) * dtype.itemsize, numel * dtype.itemsize
+    if at + length > base.length:
+        raise CheckpointCorrupt(f"{ckpt}: tensor {key!r} lies outside its storage {rec['of']!r}", ckpt)
+    return Stored(base.file, base.at + at, length, block_size(length), ())
 
 
 def _verified(ckpt: Path, man: Manifest, name: str) -> bytes:

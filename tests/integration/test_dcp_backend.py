@@ -432,3 +432,18 @@ def test_the_checkpointer_loads_dcp_save_values_safely_unless_trusted(tmp_path: 
         with pytest.raises(UnsafeLoad, match=r"'o'.*trusted=True"):
             ck.load_latest()
         assert ck.load_latest(trusted=True)["o"] == Opaque(2)
+
+
+def test_dcp_load_reads_views_of_one_storage_and_refuses_a_strided_one(tmp_path: Path) -> None:
+    from slurm_ckpt import Checkpointer
+
+    buf = torch.arange(24.0)
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        ck.save({"head": buf[:6].view(2, 3), "tail": buf[10:], "p": torch.nn.Parameter(torch.ones(4))}, step=1)
+        ck.save({"t": buf.view(4, 6).t()}, step=2)
+    target = {"head": torch.zeros(2, 3), "tail": torch.zeros(14), "p": torch.zeros(4)}
+    dcp.load(target, storage_reader=StorageReader(tmp_path / "run" / "step-000000001"))
+    assert torch.equal(target["head"], buf[:6].view(2, 3)) and torch.equal(target["tail"], buf[10:])
+    assert torch.equal(target["p"], torch.ones(4))
+    with pytest.raises(CheckpointException, match="non-contiguous view.*Checkpointer.load_latest"):
+        dcp.load({"t": torch.zeros(6, 4)}, storage_reader=StorageReader(tmp_path / "run"))
