@@ -445,5 +445,5 @@ def test_dcp_load_reads_views_of_one_storage_and_refuses_a_strided_one(tmp_path:
     dcp.load(target, storage_reader=StorageReader(tmp_path / "run" / "step-000000001"))
     assert torch.equal(target["head"], buf[:6].view(2, 3)) and torch.equal(target["tail"], buf[10:])
     assert torch.equal(target["p"], torch.ones(4))
-    with pytest.raises(CheckpointException, match="non-contiguous view.*Checkpointer.load_latest"):
+    with pytest.raises(CheckpointException, match=r"non-contiguous view.*Checkpointer\.load_latest"):
         dcp.load({"t": torch.zeros(6, 4)}, storage_reader=StorageReader(tmp_path / "run"))
