@@ -169,11 +169,9 @@ class Checkpointer:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         h = self._inflight
-        if h is not None:
-            try:
-                h.wait(timeout)
-            except Exception:  # TimeoutError, or the save's own error (kept for wait())
-                return False
+        # Not h.wait(): the save's error is kept for whoever raises it first.
+        if h is not None and not (h._join(timeout) and h._error is None):
+            return False
         return self.placement.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _surface_drain_error(self) -> None:
@@ -207,10 +205,11 @@ class Checkpointer:
         """True once a checkpoint-and-stop was requested (the wrapper's signal).
 
         Polled every step, so it is also where a failed background save
-        surfaces (per ``storage.on_async_error``) before the next save.
+        surfaces (per ``storage.on_async_error``) before the next save, unless
+        its handle's ``wait()`` raised the error already.
         """
         h = self._inflight
-        if h is not None and h.done() and h._error is not None:
+        if h is not None and h.done():
             self._drain_inflight()
         return self.control.requested
 
@@ -297,24 +296,31 @@ class Checkpointer:
             return self.placement.commit(step, write, nbytes=nbytes, job_id=job_id())
 
     def _drain_inflight(self, *, policy: bool = True) -> None:
-        """Wait for the background save; its error is raised, or only logged with
-        ``storage.on_async_error: warn`` (``policy=False`` always raises)."""
+        """Wait for the background save. Its error, unless raised already (by the
+        handle's ``wait()``, or here before), is raised, or only logged with
+        ``storage.on_async_error: warn`` (``policy=False`` always raises).
+
+        Raised once: a trainer that caught it from ``handle.wait()`` must not
+        meet it again at the next save or at ``close()``.
+        """
         h, self._inflight = self._inflight, None
         if h is None:
             return
-        try:
-            h.wait()
-        except Exception as e:
-            if not policy or self.config.storage.on_async_error != "warn":
-                raise
-            log.warning("background save of step %d failed: %s; training goes on without it "
-                        "(storage.on_async_error: warn)", h.step, e)  # fmt: skip
+        h._join()
+        e = h._take_error()
+        if e is None:
+            return
+        if not policy or self.config.storage.on_async_error != "warn" or not isinstance(e, Exception):
+            raise e
+        log.warning("background save of step %d failed: %s; training goes on without it "
+                    "(storage.on_async_error: warn)", h.step, e)  # fmt: skip
 
     def wait(self) -> None:
         """Block until any background save is committed, and copied to the durable tier,
         and the checkpoints retention dropped are deleted.
 
-        A failed save raises its error; a failed copy follows ``storage.on_async_error``.
+        A failed save raises its error (unless ``handle.wait()`` raised it already);
+        a failed copy follows ``storage.on_async_error``.
         """
         self._drain_inflight(policy=False)
         self.placement.drain()

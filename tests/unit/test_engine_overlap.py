@@ -109,8 +109,6 @@ def test_a_change_outside_the_optimizer_fails_the_save_and_later_saves_copy(
             h.wait(60)
         assert "changed in place while a save was copying it" in caplog.text
         assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000000001"]
-        with pytest.raises(SnapshotChanged):  # raised again by the next save
-            ck.save_async({"w": w}, step=3)
         want = w.clone()
         h = ck.save_async({"w": w}, step=3)
         assert h.mode == "copy"
@@ -163,5 +161,4 @@ def test_a_save_that_fails_early_is_done_only_after_its_copy(
     waiter.join(60)
     with pytest.raises(OSError, match="before any write"):
         h.wait(60)
-    with pytest.raises(OSError, match="before any write"):  # and again where the save is drained
-        ck.close()
+    ck.close()  # raised once, by wait()
