@@ -255,15 +255,16 @@ class Checkpointer:
     def save_async(self, state: Any, step: int) -> SaveHandle:
         """Capture ``state`` and write it in the background.
 
-        Later in-place changes to the state's tensors do not reach this
-        checkpoint. By default (``overlap``, CPU tensors) the large tensors are
-        copied after this returns, behind the next forward and backward pass:
-        ``optimizer.step()`` waits for the copy, and a tensor changed in place
-        any other way before it was copied fails this save (``SnapshotChanged``)
-        rather than leak into it. With ``engine.snapshot: lazy`` the trainer
-        must call ``fence()`` first. A call while a save is in flight first
-        waits for that one to commit: one in flight per run dir, and no request
-        is dropped.
+        By default the checkpoint holds the state as it was when this call
+        returns, whatever the trainer does next (in-place ops, writes through
+        ``.data`` or NumPy views, ``optimizer.step()``, other threads): ``auto``
+        copies the tensors into a staging buffer kept between saves before
+        returning or, when that copy would not fit in memory, forks a child
+        that writes from a copy-on-write image. The opt-in ``engine.snapshot``
+        modes ``overlap`` and ``lazy`` return before copying and need the
+        trainer's help (``docs/async.md``). A call while a save is in flight
+        first waits for that one to commit: one in flight per run dir, and no
+        request is dropped.
         """
         self._check_open()
         self._drain_inflight()
@@ -329,8 +330,9 @@ class Checkpointer:
 
     def fence(self) -> None:
         """Block until the save in flight has copied the tensors, so the trainer may
-        change them: with ``engine.snapshot: lazy`` before ``optimizer.step()``; by
-        default before changing them other than through ``optimizer.step()``."""
+        change them. Only the opt-in modes need it: ``engine.snapshot: lazy`` before
+        ``optimizer.step()``; ``overlap`` before changing large tensors other than
+        through ``optimizer.step()``. By default it returns at once."""
         h = self._inflight
         if h is not None:
             h.fence()

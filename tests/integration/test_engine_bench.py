@@ -42,8 +42,8 @@ def test_bench_smoke_8m(tmp_path: Path) -> None:
     for r in doc["results"]:
         assert len(r["times"]) == 1 and r["times"][0] > 0, r
     assert 0.85 * (8 << 20) <= doc["info"]["nbytes"] <= 1.15 * (8 << 20)
-    assert doc["info"]["auto_chose"] == "overlap"
-    assert "ours async auto (overlap)" in res.output
+    assert doc["info"]["auto_chose"] == "copy"
+    assert "ours async auto (copy)" in res.output
     assert "x raw" in res.output and "x torch.save" in res.output and "stall" in res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in d.iterdir()] == []  # nothing left behind

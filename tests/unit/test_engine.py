@@ -339,6 +339,33 @@ def test_the_forked_writer_reads_the_snapshot_without_copying_it(tmp_path: Path)
     assert torch.equal(Engine().load(tmp_path / "step-000000001", verify_checkpoint(tmp_path / "step-000000001"))["w"], state["w"])
 
 
+@pytest.mark.parametrize("memory", ["share_memory_", "torch.from_file", "numpy.memmap"])
+def test_a_fork_snapshot_freezes_tensors_in_shared_memory_too(tmp_path: Path, memory: str) -> None:
+    # fork() freezes private memory only; pages of a shared mapping stay the
+    # parent's, so a change after save_async returned would reach the child.
+    n = 1 << 18
+    backing = tmp_path / "tensor.bin"
+    backing.write_bytes(bytes(4 * n))
+    if memory == "share_memory_":
+        t = torch.zeros(n).share_memory_()
+    elif memory == "torch.from_file":
+        t = torch.from_file(str(backing), shared=True, size=n)
+    else:
+        import numpy as np
+
+        t = torch.from_numpy(np.memmap(backing, dtype=np.float32, mode="r+"))
+    t.copy_(torch.arange(n, dtype=torch.float32))
+    want = t.clone()
+    job = Engine(EngineConfig(chunk_size=1 << 16)).job({"w": t, "step": 1}, mode="fork")
+    t.add_(1)  # the trainer goes on before the child has written anything
+    (tmp_path / "run").mkdir()
+    try:
+        path = commit(tmp_path / "run", 1, job.write)
+    finally:
+        job.close()
+    assert torch.equal(Engine().load(path, verify_checkpoint(path))["w"], want)
+
+
 def test_a_job_can_be_written_twice_like_a_retried_commit(tmp_path: Path) -> None:
     eng = Engine(EngineConfig(chunk_size=8192))
     for mode in ("fork", "copy", "lazy", "overlap"):

@@ -1,4 +1,4 @@
-"""The ``overlap`` snapshot (``auto``'s choice for CPU tensors) and its guard.
+"""The opt-in ``overlap`` snapshot and its guard; what ``auto`` chooses.
 
 Every test holds the background copy on an event, so what the trainer does
 while the copy is pending is fixed, not left to thread timing.
@@ -27,7 +27,7 @@ BLOCKED = 0.5
 """How long a thread that must be blocked is given to (wrongly) finish."""
 
 
-def config(snapshot: str = "auto") -> Config:
+def config(snapshot: str = "overlap") -> Config:
     return Config(storage=StorageConfig(retries=0, keep=10), engine=EngineConfig(snapshot=snapshot))
 
 
@@ -56,14 +56,16 @@ def blocked(fn: Callable[[], Any]) -> threading.Thread:
     return t
 
 
-def test_auto_overlaps_cpu_tensors_and_forks_when_no_staging_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_copies_before_returning_and_forks_when_no_staging_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only the modes that capture the state before save_async returns.
     state = {"w": torch.zeros(1 << 20)}
     jobs = [Engine().job(state, mode="auto")]
     monkeypatch.setattr(engine_module, "available_memory", lambda: 0)
     jobs.append(Engine().job(state, mode="auto"))
     for job in jobs:
         job.close()
-    assert [job.mode for job in jobs] == ["overlap", "fork"]
+    assert [job.mode for job in jobs] == ["copy", "fork"]
+    assert Engine().cfg.snapshot == "auto"
 
 
 def test_the_optimizer_waits_for_the_copy_and_the_checkpoint_holds_the_state_of_save_async(
