@@ -154,8 +154,8 @@ class Engine:
         if mode == "overlap":
             return self._overlap(enc)
         if mode == "copy" or (mode == "sync" and cuda):
-            image, enc.tensors = self.staging.stage(enc.tensors)
-            return ImageJob(enc, image, self.write_image, mode)
+            # The job keeps the image, not enc: no reference to the trainer's tensors.
+            return ImageJob(enc, self.staging.capture(enc.tensors), self.write_image, mode)
         enc.tensors = [_contiguous(e) for e in enc.tensors]
         if mode == "fork":
             enc.tensors = frozen_by_fork(enc.tensors)
@@ -166,8 +166,7 @@ class Engine:
             writer = ForkedWriter(image, threads=self.threads, chunk=self.cfg.chunk_size, direct=self.cfg.direct_io)
         except OSError as e:  # ENOMEM under strict overcommit, EAGAIN at the process limit
             log.warning("cannot fork the background writer (%s); copying the state instead", e)
-            image, enc.tensors = self.staging.stage(enc.tensors)
-            return ImageJob(enc, image, self.write_image, "copy")
+            return ImageJob(enc, self.staging.capture(enc.tensors), self.write_image, "copy")
         return ForkJob(enc, writer)
 
     def _staging_fits(self, nbytes: int) -> bool:
@@ -187,11 +186,10 @@ class Engine:
                 side = self._streams.setdefault(dev, torch.cuda.Stream(device=dev))
                 side.wait_stream(torch.cuda.current_stream(dev))
                 streams[dev] = side
-        entries = enc.tensors
+        entries = list(enc.tensors)
 
         def stage() -> FileImage:
-            image, _ = self.staging.stage(entries, streams=streams)
-            return image
+            return self.staging.capture(entries, streams=streams)
 
         return ThreadCopyJob(enc, stage, self.write_image, mode="lazy")
 

@@ -90,14 +90,11 @@ class Staging:
         self._wanted_pinned = pinned
         return self._buf
 
-    def prepare(
-        self, entries: Sequence[TensorEntry], metadata: dict[str, str] | None = None
-    ) -> tuple[FileImage, list[Pair]]:
-        """Lay ``entries`` out in the buffer and write the header; copy no tensor yet.
-
-        Returns the file image and, in file order, each entry paired with its
-        place in the buffer, for :func:`copy_pairs`.
-        """
+    def _layout(
+        self, entries: Sequence[TensorEntry], metadata: dict[str, str] | None
+    ) -> tuple[FileImage, Any, list[TensorEntry], int]:
+        """Order ``entries`` as the file, size the buffer, write the header; returns the
+        image, the buffer, the entries in file order and where the first one goes."""
         import torch
 
         ordered = order_entries(entries)
@@ -107,14 +104,54 @@ class Staging:
         buf = self._ensure(total, pinned=cuda and self.pin and torch.cuda.is_available())
         base = int(buf.data_ptr())
         ctypes.memmove(base, header, len(header))
+        return FileImage(size=total, pieces=[(base, total)], keep=[buf]), buf, ordered, len(header)
+
+    def prepare(
+        self, entries: Sequence[TensorEntry], metadata: dict[str, str] | None = None
+    ) -> tuple[FileImage, list[Pair]]:
+        """Lay ``entries`` out in the buffer and write the header; copy no tensor yet.
+
+        Returns the file image and, in file order, each entry paired with its
+        place in the buffer, for :func:`copy_pairs`.
+        """
+        image, buf, ordered, off = self._layout(entries, metadata)
         pairs: list[Pair] = []
-        off = len(header)
         for e in ordered:
             n = e.nbytes
             dst = buf[off : off + n].view(e.tensor.dtype).view(e.tensor.shape) if n else e.tensor.new_empty(e.tensor.shape, device="cpu")
             pairs.append((e, dst))
             off += n
-        return FileImage(size=total, pieces=[(base, total)], keep=[buf]), pairs
+        return image, pairs
+
+    def capture(
+        self,
+        entries: Sequence[TensorEntry],
+        metadata: dict[str, str] | None = None,
+        *,
+        streams: dict[Any, Any] | None = None,
+    ) -> FileImage:
+        """Copy ``entries`` (any device, any layout) into the buffer; return the file image.
+
+        What :meth:`stage` does, less the views of the buffer it returns: the
+        CPU tensors whose bytes are their values are copied straight to their
+        file offsets, with no torch call per tensor. A list ``entries`` is put
+        in file order. On return every byte is in host memory.
+        """
+        image, buf, ordered, off = self._layout(entries, metadata)
+        if isinstance(entries, list):
+            entries[:] = ordered
+        base = int(buf.data_ptr())
+        plain: list[Piece] = []
+        pairs: list[Pair] = []
+        for e in ordered:
+            n = e.nbytes
+            if n and _plain_cpu(e.tensor):
+                plain.append((base + off, int(e.tensor.data_ptr()), n))
+            elif n:
+                pairs.append((e, buf[off : off + n].view(e.tensor.dtype).view(e.tensor.shape)))
+            off += n
+        copy_pairs(pairs, streams, plain=plain)
+        return image
 
     def stage(
         self,
@@ -133,12 +170,13 @@ class Staging:
         return image, [TensorEntry(e.key, dst, e.dtype, e.shape) for e, dst in pairs]
 
 
-def copy_pairs(pairs: Sequence[Pair], streams: dict[Any, Any] | None = None) -> None:
-    """Copy each entry's tensor to its place in a staging buffer; on return all are in host memory."""
+def copy_pairs(pairs: Sequence[Pair], streams: dict[Any, Any] | None = None, *, plain: Sequence[Piece] = ()) -> None:
+    """Copy each entry's tensor to its place in a staging buffer, and the ``plain``
+    pieces of CPU memory (:func:`copy_bytes`); on return all are in host memory."""
     import torch
 
     devices = set()
-    plain: list[Piece] = []
+    plain = list(plain)
     for e, dst in pairs:
         if not e.nbytes:
             continue
