@@ -35,6 +35,7 @@ def test_bench_smoke_8m(tmp_path: Path) -> None:
                        ("small-write", "ours sync (10k tensors)"), ("small-read", "ours (10k tensors)")]:  # fmt: skip
         assert (kind, name) in names
     assert any(k == "write" and n.startswith("DCP") for k, n in names)
+    assert any(k == "memcpy" and n.startswith("memcpy of each tensor") for k, n in names)
     # The methods run in a shuffled order; the report lists them in a fixed one.
     writes = [r["name"] for r in doc["results"] if r["kind"] == "write"]
     reads = [r["name"] for r in doc["results"] if r["kind"] == "read"]
@@ -78,9 +79,12 @@ def test_report_sets_each_stall_against_the_faster_memcpy_floor() -> None:
     doc = {"info": {"nbytes": 10**9, "tensors": 1, "reps": 1, "dir": "/d", "cores": 2, "auto_chose": "copy"},
            "results": [row("raw O_DIRECT", "write", 0.3), row("ours sync", "write", 0.4),
                        row("ours async auto", "async", 0.066), row("memcpy floor, 1 thread", "memcpy", 0.060),
-                       row("memcpy floor, 2 threads", "memcpy", 0.055)]}  # fmt: skip
+                       row("memcpy floor, 2 threads", "memcpy", 0.055),
+                       row("memcpy of each tensor, 2 threads", "memcpy", 0.050)]}  # fmt: skip
     lines = format_table(doc).splitlines()
     auto = next(line.split() for line in lines if "ours async auto (copy)" in line)
     assert auto[4:7] == ["0.0660", "1.20", "0.165"], auto  # stall, x the 2-thread floor, x sync
     one = next(line.split() for line in lines if "memcpy floor, 1 thread" in line)
     assert one[4:7] == ["0.0600", "1.09", "0.150"], one
+    each = next(line.split() for line in lines if "memcpy of each tensor" in line)  # not a floor
+    assert each[6:9] == ["0.0500", "0.91", "0.125"], each
