@@ -74,7 +74,8 @@ class UnsupportedValue(SlurmCkptError, TypeError):
 
 
 class SnapshotChanged(SlurmCkptError, RuntimeError):
-    """A tensor changed in place while ``save_async`` was still copying it; nothing was committed."""
+    """A tensor changed in place while an opt-in ``overlap`` save was still copying it;
+    nothing was committed."""
 
 
 class LockHeld(SlurmCkptError, TimeoutError):

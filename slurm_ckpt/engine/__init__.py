@@ -218,7 +218,8 @@ class Engine:
                     f"outside optimizer.step(), e.g. {moved[0]!r}: the checkpoint would mix old and new "
                     "values, so it is not committed and the previous one stays the newest. Later saves "
                     "copy the state before save_async returns. To keep overlapping, call ckpt.fence() "
-                    "before changing tensors outside optimizer.step(); or set engine.snapshot: copy"
+                    "before changing tensors outside optimizer.step(); or drop engine.snapshot: overlap "
+                    "for the default (auto), which captures the state before save_async returns"
                 )
             return image
 
