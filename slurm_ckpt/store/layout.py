@@ -21,10 +21,11 @@ def step_dir(run_dir: Path, step: int) -> Path:
     return run_dir / f"step-{step:09d}"
 
 
-def tmp_dir_for(run_dir: Path, step: int) -> Path:
-    """A fresh in-flight name; host and pid in it let a later writer tell if it is stale."""
+def tmp_dir_for(parent: Path, name: str) -> Path:
+    """A fresh in-flight name for ``parent/name``; host and pid in it let a later
+    writer tell if it is stale (``.tmp-step-N-…`` in a run dir)."""
     host = socket.gethostname().replace("-", "_")
-    return run_dir / f".tmp-step-{step:09d}-{host}-{os.getpid()}-{secrets.token_hex(4)}"
+    return parent / f".tmp-{name}-{host}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def tmp_dir_owner(name: str) -> tuple[str, int] | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import filelock
 
+from .._env import job_id
 from ..errors import LockHeld, storage_error
 from .layout import LOCK_NAME
 
@@ -45,7 +46,7 @@ class RunDirLock:
         except OSError as e:
             raise storage_error(e, "cannot lock run dir (does the filesystem support flock?)", self.path) from e
         note = {"host": socket.gethostname(), "pid": os.getpid(),
-                "job_id": os.environ.get("SLURM_JOB_ID", ""), "since": time.time()}  # fmt: skip
+                "job_id": job_id(), "since": time.time()}  # fmt: skip
         # The note is advisory; the lock itself is what protects.
         with contextlib.suppress(OSError):
             self.owner_path.write_text(json.dumps(note))
