@@ -229,12 +229,12 @@ def doctor(
 @click.option("--no-small", is_flag=True, help="Skip the 10,000-small-tensors case.")
 @_errors_to_exit
 def bench(size: str, dir: str, reps: int, json_path: str | None, plot_path: str | None, no_small: bool) -> None:
-    """Measure our saves and loads against torch.save, DCP, safetensors and the raw disk."""
+    """Measure our saves and loads against torch.save, DCP, safetensors and the raw disk,
+    and background saves' stalls against the sync save and one memcpy of the state."""
     from .config import parse_size
 
     load_config().engine.torch_env(os.environ)  # as `slurm-ckpt run` gives its command
-    from .engine.bench import run_bench
-    from .engine.report import format_table, plot
+    from .bench import format_table, plot, run_bench
 
     doc = run_bench(parse_size(size), Path(dir), reps=max(1, reps), small=not no_small,
                     progress=lambda line: click.echo(line, err=True))  # fmt: skip
