@@ -20,16 +20,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointCorrupt, SlurmCkptError
-from ..store import Candidate, RunDir, copy_checkpoint, find_latest, verify_checkpoint
-from ..store.fsutil import read_small
-from ..store.layout import list_steps
-from ..store.manifest import MANIFEST, Manifest
-from ..store.retention import apply_retention
-from ..store.retry import prune_for_space, pruned_once
-from ..store.shards import plain_files
 from .job import Job
+from .scratch import mount_id
+
+if TYPE_CHECKING:
+    from ..store import Candidate
+
+# The store is imported in the functions that use it, which only the stage-out
+# child calls: every epilog imports this module, few stage anything out.
 
 __all__ = ["TIER_FILE", "StageResult", "Tier", "read_tier", "stage_out"]
 
@@ -39,6 +40,8 @@ _MAX_KEEP = 1_000_000
 STAGE_MEMORY = 4 * 1024**3
 """Address-space limit of the stage-out child (bytes)."""
 _DONE = ("staged", "up-to-date", "none")
+_POLL = 0.2
+"""Seconds between looks at whether the child was stopped, while it is silent."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ def read_tier(scratch_ckpt: Path) -> Tier | None:
     the path must be absolute. A ``keep`` that is not a whole number from 1 to
     ``_MAX_KEEP`` is ignored. Called with the user's privileges.
     """
+    from ..store.fsutil import read_small
+
     try:
         data = json.loads(read_small(scratch_ckpt / TIER_FILE, _MAX_TIER))
     except (OSError, ValueError):  # CheckpointCorrupt (not a regular file, too big) included
@@ -88,31 +93,59 @@ def read_tier(scratch_ckpt: Path) -> Tier | None:
 def _candidates(scratch_ckpt: Path, errors: list[str]) -> Iterator[Candidate]:
     """Checkpoints on scratch that look valid, newest first (sizes and headers checked).
 
-    A corrupt one is skipped. One that cannot be read (EIO, EACCES) is skipped
-    too but noted in ``errors``: it might be good, so scratch must be kept.
+    A corrupt one is skipped, and so is one on another filesystem than
+    scratch (a mount the user made there). One that cannot be read (EIO,
+    EACCES) is skipped too but noted in ``errors``: it might be good, so
+    scratch must be kept.
     """
+    from ..store import Candidate, verify_checkpoint
+    from ..store.layout import list_steps
+    from ..store.manifest import MANIFEST, Manifest
+    from ..store.shards import plain_files
+
+    scratch_mnt = _mount_of(scratch_ckpt.parent)
     for step, path in list_steps(scratch_ckpt):
         try:
+            if _mount_of(path) != scratch_mnt:
+                continue
             if not stat.S_ISDIR(os.lstat(path).st_mode) or not plain_files(path, [MANIFEST]):
                 continue
             # Screen every file the manifest names before the store opens any of them.
             if not plain_files(path, list(Manifest.read(path).files)):
                 continue
             man = verify_checkpoint(path, full=False)
-        except CheckpointCorrupt:
-            continue
         except OSError as e:
             errors.append(f"{path}: {e}")
+            continue
+        except Exception:  # CheckpointCorrupt, or a malformed file the checks did not foresee
             continue
         yield Candidate(step, path, man)
 
 
+def _mount_of(path: Path) -> int | None:
+    """The mount ``path`` is on, without a stat (which a user's FUSE mount may refuse)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return mount_id(fd)
+    finally:
+        os.close(fd)
+
+
 def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float) -> StageResult:
+    if _mount_of(scratch_ckpt) != _mount_of(scratch_ckpt.parent):
+        # Checked before anything is read there: a user's FUSE mount may never answer.
+        return StageResult("none", f"{scratch_ckpt} is a mount, not the job's scratch")
     tier = read_tier(scratch_ckpt)
     durable, keep = (tier.durable, tier.keep) if tier else (default_durable, None)
     if durable is None:
+        if next(_candidates(scratch_ckpt, []), None) is None:
+            return StageResult("none", f"no valid checkpoint in {scratch_ckpt}")
         return StageResult("failed", "no durable run dir: no TIER.json and no storage.root")
-    # Imported here: only the stage-out child needs it, not every prolog.
+    from ..store import RunDir, find_latest, verify_checkpoint
+    from ..store.retention import apply_retention
     from .shardstage import has_shards, stage_shards
 
     if has_shards(scratch_ckpt):
@@ -144,6 +177,8 @@ def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float
 def _copy_in(src: Path, durable: Path, keep: int | None) -> Path:
     """Copy a checkpoint into the durable run dir; with the job's ``keep``, make room
     on a full disk the way the job's own drain does."""
+    from ..store import copy_checkpoint
+    from ..store.retry import prune_for_space, pruned_once
 
     def prune() -> list[Path]:
         return prune_for_space(durable, keep) if keep else []
@@ -162,6 +197,16 @@ def _become(job: Job) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (STAGE_MEMORY, STAGE_MEMORY))
 
 
+def _stopped(pid: int) -> bool:
+    """Whether the child is stopped. It runs as the user, so the user can stop it; waiting
+    for it then would only hold the epilog up until its deadline."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return info is not None and info.si_code == os.CLD_STOPPED
+
+
 def _reap(pid: int, wait: float) -> None:
     # Bounded: a child stuck in an unkillable NFS write must not hang the epilog too.
     end = time.monotonic() + wait
@@ -175,8 +220,11 @@ def stage_out(scratch_ckpt: Path, default_durable: Path | None, job: Job, timeou
     On timeout the child is killed and the result says so: the caller then
     keeps scratch, because it may hold the only copy.
     """
-    r, w = os.pipe()
-    pid = os.fork()
+    try:
+        r, w = os.pipe()
+        pid = os.fork()
+    except OSError as e:
+        return StageResult("failed", f"cannot start the stage-out child: {e}")
     if pid == 0:  # the child: never returns
         os.close(r)
         try:
@@ -195,11 +243,15 @@ def stage_out(scratch_ckpt: Path, default_durable: Path | None, job: Job, timeou
     deadline = time.monotonic() + timeout
     try:
         while (left := deadline - time.monotonic()) > 0:
-            if select.select([r], [], [], left)[0]:
+            if select.select([r], [], [], min(left, _POLL))[0]:
                 chunk = os.read(r, 65536)
                 if not chunk:
                     break
                 data += chunk
+            elif _stopped(pid):
+                os.kill(pid, signal.SIGKILL)
+                _reap(pid, 5.0)
+                return StageResult("failed", "the stage-out child was stopped (a SIGSTOP from the job's user?); killed")
         else:
             os.kill(pid, signal.SIGKILL)
             _reap(pid, 5.0)
