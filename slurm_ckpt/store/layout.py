@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
-import socket
 from pathlib import Path
 
 __all__ = ["LOCK_NAME", "list_steps", "step_dir", "tmp_dir_for", "tmp_dir_owner", "tmp_dir_step"]
@@ -23,8 +21,8 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 def tmp_dir_for(run_dir: Path, step: int) -> Path:
     """A fresh in-flight name; host and pid in it let a later writer tell if it is stale."""
-    host = socket.gethostname().replace("-", "_")
-    return run_dir / f".tmp-step-{step:09d}-{host}-{os.getpid()}-{secrets.token_hex(4)}"
+    host = os.uname().nodename.replace("-", "_")  # socket.gethostname(), without importing socket
+    return run_dir / f".tmp-step-{step:09d}-{host}-{os.getpid()}-{os.urandom(4).hex()}"
 
 
 def tmp_dir_owner(name: str) -> tuple[str, int] | None:
