@@ -308,11 +308,11 @@ def test_each_loop_step_gets_its_share_of_one_deadline(loop_fs: Callable[..., Pa
     from slurm_ckpt.node.hook import Deadline
     from slurm_ckpt.node.loopfs import mount_image
 
-    seen: list[tuple[str, float]] = []
+    seen: list[tuple[str, float, float]] = []
     real = commands.run
 
     def spy(argv: list[str], timeout: float, pass_fds: tuple[int, ...] = ()) -> tuple[int, str]:
-        seen.append((argv[0], time.monotonic() + timeout))  # when this step's time runs out
+        seen.append((argv[0], time.monotonic(), timeout))
         return real(argv, timeout, pass_fds)
 
     monkeypatch.setattr(commands, "run", spy)
@@ -321,14 +321,16 @@ def test_each_loop_step_gets_its_share_of_one_deadline(loop_fs: Callable[..., Pa
     (base / "job_9").mkdir()
     fd = os.open(base / "job_9", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     state = os.open(base / ".slurm-ckpt", os.O_RDONLY | os.O_DIRECTORY)
-    start = time.monotonic()
+    deadline = Deadline(20)
     try:
-        mount_image(state, "job_9", fd, 16 * MiB, "ext4", 0, Deadline(20))
+        mount_image(state, "job_9", fd, 16 * MiB, "ext4", 0, deadline)
     finally:
         os.close(fd)
         os.close(state)
         sh("umount", str(base / "job_9"), check=False)
-    (mkfs, mkfs_end), (mount, mount_end) = seen
+    (mkfs, at_mkfs, t_mkfs), (mount, at_mount, t_mount) = seen
     assert (mkfs, mount) == ("mkfs.ext4", "mount")
-    # mkfs at most 60% of what was left; the mount, what is left then: both within the one deadline.
-    assert mkfs_end <= start + 0.6 * 20 + 0.01 and mount_end <= start + 20 + 0.01, (start, seen)
+    # mkfs: at most 60% of what was left when its part began; the mount: what is left then.
+    # Both end within the one deadline (the spy reads the clock a moment after each).
+    assert t_mkfs <= 0.6 * 20 and at_mkfs + t_mkfs <= deadline.end + 0.01, seen
+    assert at_mount + t_mount <= deadline.end + 0.01, seen

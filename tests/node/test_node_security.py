@@ -168,7 +168,8 @@ def test_a_header_without_data_offsets_is_a_corrupt_checkpoint_not_a_pin(site: d
     corrupt checkpoint: skipped, and the older good one staged."""
     import torch
 
-    from slurm_ckpt.store import RunDir
+    from slurm_ckpt.errors import CheckpointCorrupt
+    from slurm_ckpt.store import RunDir, verify_checkpoint
     from slurm_ckpt.store.codec import encode_state
     from slurm_ckpt.store.writer import write_state
 
@@ -184,6 +185,8 @@ def test_a_header_without_data_offsets_is_a_corrupt_checkpoint_not_a_pin(site: d
     raw = data.read_bytes()
     assert b'"data_offsets"' in raw
     data.write_bytes(raw.replace(b'"data_offsets"', b'"data_offsetz"'))  # same length, valid JSON
+    with pytest.raises(CheckpointCorrupt, match="data_offsets"):  # not a KeyError
+        verify_checkpoint(bad, full=False)
     sh("chown", "-R", f"{user.uid}:{user.gid}", str(job / "ckpt"))
     res = epilog(site, user, "31")
     assert res is not None and res.status == "staged" and res.step == 1, res
