@@ -345,7 +345,9 @@ def load_config(
     data: dict[str, Any] = {}
     if src.exists():
         try:
-            loaded = yaml.safe_load(src.read_text())
+            # libyaml's parser where PyYAML has it: the same safe loader, and the hooks
+            # read this file before every job.
+            loaded = yaml.load(src.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         except (OSError, yaml.YAMLError) as e:
             raise ConfigError(f"{src}: cannot read config: {e}") from e
         if loaded is not None and not isinstance(loaded, dict):
