@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -58,20 +59,39 @@ def stop(p: subprocess.Popen[bytes]) -> None:
     p.wait(30)
 
 
+ATTACK = """
+import os, sys
+os.chdir(sys.argv[1])
+i = 0
+while True:  # chains 70 levels deep, as fast as it can
+    i += 1
+    try:
+        os.makedirs(f"c{i}/" + "d/" * 70)
+    except OSError:
+        pass
+"""
+
+
 def test_a_second_job_filling_the_dying_dir_cannot_hold_the_epilog(pub_tmp: Path, user: User) -> None:
-    """Another job of the user, its shell inside the dying job's dir, makes chains 70 levels
-    deep as fast as it can. The epilog stops at its deadline, the rest goes to the
-    graveyard with the reservation, and the reaper takes it once the other job is gone."""
+    """Another job of the user, two processes working inside the dying job's dir, makes
+    chains 70 levels deep as fast as it can. The epilog stops at its deadline, the rest
+    goes to the graveyard with the reservation, and the reaper takes it once the other
+    job is gone."""
+    python = shutil.which("python3", path=PATH)  # the system's: the user cannot run the venv's
+    assert python is not None
     base = pub_tmp / "scratch"
     cfg = make_cfg(base, epilog_timeout=4, reap_budget=0.5)
     env = user.env("801")
     run_prolog(env, cfg)
     job = base / "job_801"
-    user.run("mkdir", str(job / "w"))
-    attacker = as_user(user, 'cd "$1" || exit 1; i=0; while :; do i=$((i+1)); '
-                             'mkdir -p "c$i/$(printf "d/%.0s" $(seq 70))"; done', str(job / "w"))  # fmt: skip
+    attackers = []
+    for w in ("w1", "w2"):
+        user.run("mkdir", str(job / w))
+        attackers.append(subprocess.Popen([python, "-c", ATTACK, str(job / w)], user=user.uid, group=user.gid,
+                                          extra_groups=[], cwd="/", env={"PATH": PATH}, start_new_session=True,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
     try:
-        wait_for("the other job to start filling", lambda: len(os.listdir(job / "w")) > 3)
+        wait_for("the other job to start filling", lambda: all(len(os.listdir(job / w)) > 3 for w in ("w1", "w2")))
         result: list[StageResult | None] = []
         t = threading.Thread(target=lambda: result.append(run_epilog(env, cfg)))
         t.start()
@@ -85,7 +105,8 @@ def test_a_second_job_filling_the_dying_dir_cannot_hold_the_epilog(pub_tmp: Path
         assert held[GRAVE + grave]["size"] == 64 * MiB and held[GRAVE + grave]["job"] == "801"
         assert reap(str(base), cfg.scratch.keep_failed, 0.5, wait=True)  # a short one: the attack goes on
     finally:
-        stop(attacker)
+        for a in attackers:
+            stop(a)
     assert graves(base) == [grave]
     assert reap(str(base), cfg.scratch.keep_failed, 300, wait=True)
     assert graves(base) == [] and entries(base) == {}
