@@ -31,7 +31,15 @@ from . import commands
 if TYPE_CHECKING:
     from .hook import Deadline
 
-__all__ = ["IMAGE_DIR", "attached", "is_mount_point", "mount_image", "open_image_dir", "unmount_image"]
+__all__ = [
+    "IMAGE_DIR",
+    "attached",
+    "is_mount_point",
+    "mkfs_argv",
+    "mount_image",
+    "open_image_dir",
+    "unmount_image",
+]
 
 log = logging.getLogger("slurm_ckpt.node")
 
@@ -39,11 +47,11 @@ IMAGE_DIR = "img"
 """Under the state dir: one ``job_<id>.img`` per job."""
 
 _MKFS = {
-    # -i 65536: checkpoints are few large files; fewer inodes leave more of the size usable.
     "ext4": ["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"],
     "xfs": ["mkfs.xfs", "-q", "-f", "-K"],
 }
 _BYTES_PER_INODE = 65536
+"""Checkpoints are few large files: fewer inodes leave more of the size usable."""
 _XFS_INODE = 512
 _FALLOCATE_CHUNK = 1024**3
 # The shares of the loop setup's time: preallocation, mkfs, then mount gets the rest.

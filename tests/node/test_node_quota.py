@@ -20,7 +20,13 @@ import pytest
 from slurm_ckpt.node import run_epilog, run_prolog
 from slurm_ckpt.node.job import Job
 from slurm_ckpt.node.mounts import Mount, mount_of
-from slurm_ckpt.node.quota import get_project, limit_argv, parse_quota_lines, set_project, user_quota
+from slurm_ckpt.node.quota import (
+    get_project,
+    limit_argv,
+    parse_quota_lines,
+    set_project,
+    user_quota,
+)
 from slurm_ckpt.node.space import check_shared, newest_checkpoint_size
 from tests.faultfs.control import FaultFS
 from tests.node.helpers import User, make_cfg, owned_tree, sh, write_ckpt
