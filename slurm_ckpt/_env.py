@@ -6,9 +6,9 @@ import getpass
 import os
 from pathlib import Path
 
-from .config import Config
+from .config import Config, job_dir_name
 
-__all__ = ["default_run_dir", "job_id", "scratch_dir", "user_name"]
+__all__ = ["default_run_dir", "job_id", "scratch_dir", "task_rank", "user_name"]
 
 
 def job_id() -> str:
@@ -18,6 +18,17 @@ def job_id() -> str:
     if array_job and task:
         return f"{array_job}_{task}"
     return os.environ.get("SLURM_JOB_ID", "")
+
+
+def task_rank() -> tuple[int, int, bool]:
+    """``SLURM_PROCID`` and ``SLURM_NTASKS`` (0 and 1 where unset or unreadable), and
+    whether ``SLURM_PROCID`` is set at all (this process is a Slurm task)."""
+    try:
+        rank = int(os.environ.get("SLURM_PROCID", "0"))
+        world = int(os.environ.get("SLURM_NTASKS", "1"))
+    except ValueError:
+        rank, world = 0, 1
+    return rank, world, "SLURM_PROCID" in os.environ
 
 
 def user_name() -> str:
@@ -31,7 +42,7 @@ def default_run_dir(cfg: Config) -> Path:
         return Path(explicit)
     jid = job_id()
     if cfg.storage.root and jid:
-        return Path(cfg.storage.root) / user_name() / f"job_{jid}"
+        return Path(cfg.storage.root) / user_name() / job_dir_name(jid)
     return Path("checkpoints")
 
 

@@ -8,31 +8,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._env import default_run_dir, job_id, scratch_dir
+from ._env import default_run_dir, job_id
 from .config import Config, load_config
 from .control import Control
-from .crossnode import CrossNode
-from .dist import ShardedRunDir, rank_info
 from .engine import Engine, SaveHandle
 from .errors import ConfigError
 from .metrics import Metrics
-from .placement import Collective, Local, Placement
+from .placement import choose
+from .ranks import rank_info
 from .store import RunDir, Skipped, find_latest
 from .store.commit import WriteFn
 from .store.retention import reaped
-from .store.retry import RetryPolicy
-from .store.tiers import Tiers, fast_dir, usable_scratch
+from .store.tiers import Tiers
 
 __all__ = ["Checkpointer", "SaveHandle"]
 
 log = logging.getLogger("slurm_ckpt")
-
-
-def _named_scratch(scratch: str | Path | bool | None) -> Path | None:
-    """The scratch dir asked for: the argument, else $SLURM_CKPT_SCRATCH; None for ``False``."""
-    if scratch is False:
-        return None
-    return scratch_dir() if scratch is None or scratch is True else Path(scratch)
 
 
 class Checkpointer:
@@ -63,11 +54,7 @@ class Checkpointer:
         scratch: str | Path | bool | None = None,
     ) -> None:
         self.config = config or load_config()
-        run_dir = RunDir(Path(dir) if dir else default_run_dir(self.config), lock_timeout=lock_timeout)
-        # Collective saves when a torch.distributed group is up (see dist.py);
-        # ``distributed=False`` keeps every process on its own.
-        self.run_dir = ShardedRunDir(run_dir, enabled=distributed)
-        self.run_dir.group()
+        self.run_dir = RunDir(Path(dir) if dir else default_run_dir(self.config), lock_timeout=lock_timeout)
         self.keep = keep if keep is not None else self.config.storage.keep
         self.allow_pickle = self.config.storage.allow_pickle if allow_pickle is None else allow_pickle
         self.control = Control()
@@ -79,7 +66,11 @@ class Checkpointer:
         self.metrics = Metrics.from_config(self.config.metrics, job_id=job_id())
         # The fast writer/reader; it keeps staging buffers between saves.
         self.engine = Engine(self.config.engine)
-        self.placement = self._make_placement(scratch, lock_timeout)
+        # Collective saves when a torch.distributed group is up (placement/);
+        # ``distributed=False`` keeps every process on its own.
+        self.placement = choose(self.run_dir, storage=self.config.storage, keep=self.keep,
+                                distributed=distributed, scratch=scratch, lock_timeout=lock_timeout,
+                                on_lag=self.metrics.set_stageout_lag)  # fmt: skip
         self._closed = False
 
     def _check_open(self) -> None:
@@ -101,53 +92,7 @@ class Checkpointer:
     @property
     def tiers(self) -> Tiers | None:
         """The scratch and durable tiers of a one-process writer, if it has scratch."""
-        return self.placement.tiers if isinstance(self.placement, Local) else None
-
-    @property
-    def crossnode(self) -> CrossNode | None:
-        """The cross-node shard placement, when ranks save through their nodes' scratch."""
-        return self.placement if isinstance(self.placement, CrossNode) else None
-
-    def _make_placement(self, scratch: str | Path | bool | None, lock_timeout: float | None) -> Placement:
-        if self.run_dir.group() is None:
-            return Local(self.run_dir.inner, self._make_tiers(scratch, lock_timeout), self.config.storage,
-                         self.keep)  # fmt: skip
-        # Sharded with node-local scratch on some node: shards go via each node's scratch.
-        crossnode = self._make_crossnode(scratch, lock_timeout)
-        return crossnode if crossnode is not None else Collective(self.run_dir, self.keep)
-
-    def _fast_dir(self, scratch: str | Path | bool | None) -> Path | None:
-        """``<scratch>/ckpt`` when a usable scratch dir is named and it is not the run dir itself."""
-        named = _named_scratch(scratch)
-        base = usable_scratch(named)
-        if base is None:
-            if named is not None:
-                log.warning("scratch %s is not a writable directory; saving to %s only", named, self.dir)
-            return None
-        fast = fast_dir(base).absolute()
-        return None if fast == self.dir else fast
-
-    def _make_tiers(self, scratch: str | Path | bool | None, lock_timeout: float | None) -> Tiers | None:
-        fast = self._fast_dir(scratch)
-        if fast is None:
-            return None
-        tiers = Tiers(RunDir(fast, lock_timeout=lock_timeout), self.run_dir.inner, keep=self.keep,
-                      policy=RetryPolicy.for_path(self.config.storage, self.dir),
-                      on_lag=self.metrics.set_stageout_lag, drain=self.config.storage.drain)  # fmt: skip
-        try:
-            tiers.activate()
-        except OSError as e:
-            log.warning("cannot use scratch %s (%s); saving to %s only", fast, e, self.dir)
-            return None
-        return tiers
-
-    def _make_crossnode(self, scratch: str | Path | bool | None, lock_timeout: float | None) -> CrossNode | None:
-        group = self.run_dir.group()
-        assert group is not None
-        # Every rank takes part in setup (a collective), with or without scratch.
-        return CrossNode.setup(group, self.run_dir.inner, self._fast_dir(scratch), keep=self.keep,
-                               lock_timeout=lock_timeout, on_lag=self.metrics.set_stageout_lag,
-                               drain=self.config.storage.drain)  # fmt: skip
+        return self.placement.tiers
 
     def is_durable(self, step: int) -> bool:
         """True once checkpoint ``step`` is committed on the durable tier.
@@ -210,7 +155,7 @@ class Checkpointer:
         surfaces (per ``storage.on_async_error``) before the next save.
         """
         h = self._inflight
-        if h is not None and h.done() and h._error is not None:
+        if h is not None and h.failed():
             self._drain_inflight()
         return self.control.requested
 
@@ -232,7 +177,7 @@ class Checkpointer:
         rank must call it at every step; they agree on the request first.
         """
         self._check_open()
-        stop = self.run_dir.agree(self.preempted)
+        stop = self.placement.agree(self.preempted)
         if stop or (every > 0 and step % every == 0):
             self.save(state() if callable(state) else state, step)
         return stop
@@ -268,7 +213,6 @@ class Checkpointer:
         """
         self._check_open()
         self._drain_inflight()
-        self.run_dir.group()  # a collective: create it here, on the calling thread
         job = self.engine.job(state, allow_pickle=self.allow_pickle, mode="auto")
         handle = SaveHandle(step, job.captured, job.mode)
 
@@ -390,7 +334,6 @@ class Checkpointer:
         finally:
             self.placement.close()
             reaped()
-            self.run_dir.release_group()
             # Done checkpointing: the series ends, so no alert fires for a finished job.
             self.metrics.close(remove=True)
         self._surface_drain_error()

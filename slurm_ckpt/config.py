@@ -36,6 +36,7 @@ __all__ = [
     "StorageConfig",
     "WrapperConfig",
     "format_size",
+    "job_dir_name",
     "load_config",
     "parse_duration",
     "parse_size",
@@ -112,6 +113,11 @@ class Duration(float):
     """Seconds that config files may spell ``7d`` or ``12h``."""
 
 
+def job_dir_name(job_id: str) -> str:
+    """``job_<id>``: a job's dir under ``<storage.root>/<user>/`` and under ``scratch.base``."""
+    return f"job_{job_id}"
+
+
 @dataclass(frozen=True)
 class StorageConfig:
     root: str = ""
@@ -132,12 +138,23 @@ class StorageConfig:
     """Copy checkpoints from node-local scratch to the durable run dir in the background while
     the job runs; false leaves that to the epilog's stage-out after the job (no checkpoint
     traffic on shared storage during training, but only scratch holds them until then)."""
+    stage_out_roots: tuple[str, ...] = ()
+    """Dirs the epilog's stage-out may write under: a job's TIER.json naming a durable run
+    dir elsewhere is refused (its checkpoint goes to <root>/<user>/job_<id>); empty: root only."""
 
     def validate(self) -> None:
         if self.keep < 1:
             raise ConfigError("storage.keep must be at least 1")
         if self.on_async_error not in ("raise", "warn"):
             raise ConfigError("storage.on_async_error must be 'raise' or 'warn'")
+        for root in self.stage_out_roots:
+            if not root.startswith("/") or "\0" in root:
+                raise ConfigError(f"storage.stage_out_roots: {root!r} is not an absolute path")
+
+    def stage_out_allowed(self) -> tuple[str, ...]:
+        """Where stage-out may write: ``stage_out_roots``, else ``root``, else nowhere."""
+        roots = self.stage_out_roots or ((self.root,) if self.root else ())
+        return tuple(os.path.normpath(r) for r in roots)
 
 
 @dataclass(frozen=True)
@@ -153,9 +170,10 @@ class ScratchConfig:
     min_size: Size = Size(1024**3)
     """Below this, a shrunk reservation is not worth creating."""
     enforce: str = "auto"
-    """auto|quota|loop|none: how the size is enforced. quota: XFS/ext4 project quota
-    (base mounted with prjquota); loop: a per-job filesystem image, loop-mounted;
-    auto: quota where the base has it, else none (the ledger only)."""
+    """auto|quota|loop|none: how the size is enforced. loop: a per-job filesystem image,
+    loop-mounted; quota: XFS/ext4 project quota (base mounted with prjquota), which the job's
+    user can step out of (see docs/admin.md); auto: loop where the node has loop devices and
+    mkfs, else quota where the base has it, else none (the ledger only)."""
     loop_fstype: str = "ext4"
     """ext4|xfs: filesystem of the per-job image with enforce: loop (xfs needs >= 300MiB)."""
     prolog_timeout: float = 20.0

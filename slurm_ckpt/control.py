@@ -22,7 +22,7 @@ interpreter, which resets a handled signal to its default action: use the
 default ``fork`` method (Linux) for DataLoader workers under Slurm.
 
 Channel. ``$SLURM_CKPT_CONTROL`` names the wrapper's Unix datagram socket;
-lines are ``ready <pid>`` and ``committed <step> <path>``. If it names anything
+lines are ``ready <pid>`` and ``committed <step> <path>`` (``protocol.py``). If it names anything
 else (a plain file), lines are appended to it, which is handy for debugging
 without the wrapper. A dead or missing wrapper never fails a save.
 """
@@ -42,6 +42,7 @@ import weakref
 from types import FrameType
 
 from .errors import ConfigError
+from .protocol import committed_line, ready_line
 
 __all__ = ["Control", "parse_signal"]
 
@@ -146,11 +147,11 @@ class Control:
             # that has already saved and is exiting: ignore them from atexit on.
             atexit.register(_ignore_at_exit)
             _fork_hook_registered = True
-        self.send(f"ready {os.getpid()}")
+        self.send(ready_line(os.getpid()))
 
     def report_committed(self, step: int, path: str) -> None:
         """Tell the wrapper (if any) that ``step`` is committed at ``path``."""
-        self.send(f"committed {step} {path}")
+        self.send(committed_line(step, path))
 
     def send(self, line: str) -> None:
         """Deliver one line to the wrapper; failures are logged, never raised."""

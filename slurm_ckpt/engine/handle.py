@@ -34,6 +34,10 @@ class SaveHandle:
         """True once the save is committed or has failed."""
         return self._done.is_set()
 
+    def failed(self) -> bool:
+        """True once the save has failed (``wait()`` raises its error)."""
+        return self._done.is_set() and self._error is not None
+
     def fence(self, timeout: float | None = None) -> None:
         """Block until the save no longer reads the trainer's tensors.
 

@@ -15,6 +15,12 @@ after the prolog, so slurm-ckpt brings its own:
 
 Weights act only under the BFQ scheduler (or iocost on v2); throttles and
 ``io.max`` act under any scheduler.
+
+On v1 a process joins a group in every controller of that hierarchy at once.
+Where blkio shares a hierarchy with memory or devices (or another controller
+Slurm confines or tracks jobs with), joining the slurm-ckpt group would take
+the job out of Slurm's own group there: out of its memory limit, its GPU
+device list. Such a hierarchy is refused, by the prolog and by the join.
 """
 
 from __future__ import annotations
@@ -30,13 +36,16 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..config import IOLimits
+from .mounts import Mount, mount_of
 
 __all__ = [
+    "CONFINING",
     "V1_PARENT",
     "apply_v2",
     "join_io_cgroup",
     "remove_v1",
     "setup_v1",
+    "shared_controllers",
     "v1_throttle_lines",
     "v2_max_line",
 ]
@@ -45,6 +54,16 @@ log = logging.getLogger("slurm_ckpt.node")
 
 V1_PARENT = "slurm-ckpt"
 ENV_VAR = "SLURM_CKPT_IO_CGROUP"
+CONFINING = frozenset({"memory", "devices", "cpuset", "freezer", "pids", "cpu", "cpuacct"})
+"""v1 controllers Slurm confines or tracks a job with: never in the hierarchy we move processes in."""
+
+
+def shared_controllers(path: str | os.PathLike[str], mounts: list[Mount] | None = None) -> list[str]:
+    """The confining controllers in the v1 hierarchy holding ``path``, sorted ([]: none, or not v1)."""
+    m = mount_of(path, mounts)
+    if m is None or m.fstype != "cgroup":
+        return []
+    return sorted(CONFINING & m.options)
 
 
 def v1_throttle_lines(limits: IOLimits, device: tuple[int, int]) -> dict[str, str]:
@@ -75,7 +94,14 @@ def _write(path: Path, line: str) -> None:
 
 def setup_v1(blkio_root: Path, job_dir: str, uid: int, gid: int, limits: IOLimits,
              device: tuple[int, int] | None) -> Path:  # fmt: skip
-    """Create the job's blkio cgroup with its limits, delegated to ``uid``; return its path."""
+    """Create the job's blkio cgroup with its limits, delegated to ``uid``; return its path.
+
+    Raises ``PermissionError`` (nothing made) where the hierarchy holds a confining controller.
+    """
+    if shared := shared_controllers(blkio_root):
+        raise PermissionError(errno.EPERM, f"blkio shares its cgroup hierarchy with {', '.join(shared)}: "
+                              "a job joining it would leave Slurm's groups there; mount blkio on its own",
+                              str(blkio_root))  # fmt: skip
     cg = blkio_root / V1_PARENT / job_dir
     cg.mkdir(parents=True, exist_ok=True)
     if device is not None:
@@ -154,6 +180,10 @@ def join_io_cgroup(pid: int | None = None, env: Mapping[str, str] | None = None)
     if not path:
         return False
     try:
+        if shared := shared_controllers(path):
+            log.warning("not joining the I/O cgroup %s: its hierarchy also holds %s, and joining would take "
+                        "this job out of Slurm's groups there", path, ", ".join(shared))  # fmt: skip
+            return False
         _write(Path(path) / "cgroup.procs", str(pid or os.getpid()))
     except OSError as e:
         log.warning("cannot join the I/O cgroup %s: %s", path, e.strerror)

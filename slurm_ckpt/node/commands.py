@@ -1,7 +1,8 @@
 """The one seam through which the node hooks run external programs.
 
 Hooks start with no PATH, so programs are looked up in a fixed system path,
-run with an argv list (never a shell), a clean environment and a timeout.
+run with an argv list (never a shell), a clean environment, ``/`` as their
+working directory and a timeout.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def run(argv: list[str], timeout: float, pass_fds: tuple[int, ...] = ()) -> tupl
         p = subprocess.run([exe, *argv[1:]], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, errors="replace",
                            timeout=max(timeout, 0.1), env={"PATH": SYSTEM_PATH, "LC_ALL": "C"},
-                           pass_fds=pass_fds)  # fmt: skip
+                           pass_fds=pass_fds, cwd="/")  # fmt: skip
     except subprocess.TimeoutExpired:
         log.warning("%s timed out after %.1fs", argv[0], timeout)
         return 124, f"{argv[0]}: timed out after {timeout:.1f}s"

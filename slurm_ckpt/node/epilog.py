@@ -19,14 +19,15 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import ConfigError
-from . import cgroup, graveyard, loopfs
+from ..store.layout import fast_dir
+from . import cgroup, graveyard, loopfs, quota
 from .hook import HookContext, load_context, setup_logging
 from .job import InvalidJob
 from .ledger import Ledger
 from .mounts import cgroup_mount
-from .report import report_path
-from .scratch import open_base, open_state_dir
-from .stageout import StageResult, stage_out
+from .report import JobReport, report_path
+from .scratch import open_state_dir
+from .stageout import StageLimits, StageResult, stage_out
 
 __all__ = ["run_epilog"]
 
@@ -50,7 +51,7 @@ def run_epilog(env: Mapping[str, str] | None = None, cfg: Config | None = None) 
     except (ConfigError, InvalidJob) as e:
         log.error("epilog skipped: %s", e)
         return None
-    base_fd = open_base(str(ctx.base))
+    base_fd = ctx.open_base()
     try:
         state_fd = open_state_dir(base_fd)
         ledger = Ledger(ctx.state_dir, 0)
@@ -87,11 +88,13 @@ def _stage_and_clean(ctx: HookContext, base_fd: int, state_fd: int, ledger: Ledg
         _remove_scratch(ctx, base_fd, state_fd, ledger)
         _remove_report(ctx)
         return None
-    if os.path.lexists(ctx.scratch / "ckpt"):
-        result = stage_out(ctx.scratch / "ckpt", ctx.default_durable, job, ctx.deadline.left(CLEANUP_RESERVE))
+    if os.path.lexists(fast_dir(ctx.scratch)):
+        result = stage_out(fast_dir(ctx.scratch), ctx.default_durable, job, ctx.deadline.left(CLEANUP_RESERVE),
+                           _stage_limits(ctx, base_fd, ledger))  # fmt: skip
     else:
         result = StageResult("none", "no ckpt dir in scratch")
     log.info("stage-out %s: %r", result.status, result.detail)
+    _report_project_changes(ctx, base_fd)
     if not result.scratch_disposable:
         why = f"stage-out {result.status}: {result.detail}"
         days = ctx.cfg.scratch.keep_failed / 86400
@@ -144,24 +147,62 @@ def _remove_scratch(ctx: HookContext, base_fd: int, state_fd: int, ledger: Ledge
 
 
 def _project_id(ctx: HookContext) -> int | None:
-    from . import quota
-    from .mounts import mount_of
-
-    if ctx.cfg.scratch.enforce not in ("auto", "quota"):
-        return None
-    mount = mount_of(ctx.base)
-    if not quota.has_project_quota(mount) or int(ctx.job.job_id) > quota.MAX_PROJECT_ID:
-        return None
-    return int(ctx.job.job_id)
+    """The job's project id, if the prolog set a project quota on its scratch."""
+    report = JobReport.read(report_path(ctx.state_dir, ctx.job.job_id))  # root's own file
+    return int(ctx.job.job_id) if report is not None and report.enforce == "quota" else None
 
 
 def _clear_quota(ctx: HookContext, projid: int) -> None:
-    from . import quota
     from .mounts import mount_of
 
     mount = mount_of(ctx.base)
     if mount is not None:
         quota.clear_project_limit(mount, projid, ctx.deadline.left())
+
+
+def _open_job_dir(ctx: HookContext, base_fd: int) -> int:
+    return os.open(ctx.job.dir_name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=base_fd)
+
+
+def _stage_limits(ctx: HookContext, base_fd: int, ledger: Ledger) -> StageLimits:
+    """Where the stage-out may write (never on scratch), and how far a sparse checkpoint may grow."""
+    devs = {os.fstat(base_fd).st_dev}
+    vfs = os.fstatvfs(base_fd)
+    with contextlib.suppress(OSError):
+        fd = _open_job_dir(ctx, base_fd)
+        try:
+            devs.add(os.fstat(fd).st_dev)  # its own filesystem under enforce: loop
+            vfs = os.fstatvfs(fd)
+        finally:
+            os.close(fd)
+    reserved = int(ledger.entries().get(ctx.job.job_id, {}).get("size", 0))
+    return StageLimits(ctx.cfg.storage.stage_out_allowed(), frozenset(devs), reserved or vfs.f_blocks * vfs.f_frsize)
+
+
+def _report_project_changes(ctx: HookContext, base_fd: int) -> None:
+    """Under a project quota, log the files whose project id the job's user changed.
+
+    In the init user namespace a file's owner may change its project id:
+    ``chattr -p 0`` takes a file out of every quota, ``chattr -p <other job>``
+    charges another job for it. The quota cannot stop that; this makes it seen.
+    """
+    report = JobReport.read(report_path(ctx.state_dir, ctx.job.job_id))  # root's own file
+    if report is None or report.enforce != "quota":
+        return
+    try:
+        fd = _open_job_dir(ctx, base_fd)
+    except OSError:
+        return
+    try:
+        scan = quota.changed_projects(fd, int(ctx.job.job_id), seconds=min(5.0, ctx.deadline.left(CLEANUP_RESERVE)))
+    finally:
+        os.close(fd)
+    if scan.changed:
+        log.warning("job %s (user %s) changed the project id of %d file(s) in its scratch, out of its "
+                    "quota or onto another job's: %s", ctx.job.job_id, ctx.job.user, scan.changed,
+                    scan.summary())  # fmt: skip
+    if not scan.complete:
+        log.info("project id check of %s stopped after %d entries", ctx.scratch, scan.seen)
 
 
 def _remove_report(ctx: HookContext) -> None:

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config, load_config
+from ..errors import StorageError
+from .escape import OneLineFormatter
 from .job import Job
-from .scratch import STATE_DIR
+from .scratch import STATE_DIR, open_base
 
 __all__ = ["Deadline", "HookContext", "load_context", "setup_logging"]
 
@@ -44,11 +46,12 @@ class Deadline:
 def setup_logging(hook: str, job_id: str) -> None:
     """One line per event on stderr, which the shims append to the hook log.
 
-    Slurm discards hook output, so the shim's log file is the only record.
+    Slurm discards hook output, so the shim's log file is the only record;
+    records quote user data, so each is escaped onto one bounded line.
     """
     logger = logging.getLogger("slurm_ckpt")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(
+    handler.setFormatter(OneLineFormatter(
         f"%(asctime)s slurm-ckpt {hook}[%(process)d] job {job_id}: %(levelname)s: %(message)s"))  # fmt: skip
     logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO)
@@ -72,6 +75,14 @@ class HookContext:
     @property
     def scratch(self) -> Path:
         return self.base / self.job.dir_name
+
+    def open_base(self) -> int:
+        """An fd of the scratch base; if it is unusable, a node fault: logged, then raised."""
+        try:
+            return open_base(str(self.base))
+        except StorageError as e:
+            log.error("node fault (Slurm drains this node): %s", e)
+            raise
 
     @property
     def default_durable(self) -> Path | None:

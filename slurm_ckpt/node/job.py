@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..config import format_size, parse_size
+from ..config import format_size, job_dir_name, parse_size
 from ..errors import ConfigError, SlurmCkptError
 
 __all__ = ["InvalidJob", "Job", "comment_size"]
@@ -51,7 +51,7 @@ class Job:
     @property
     def dir_name(self) -> str:
         """``job_<id>``: the only name the hooks ever create under the scratch base."""
-        return f"job_{self.job_id}"
+        return job_dir_name(self.job_id)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Job:

@@ -68,6 +68,8 @@ _INFO = struct.Struct("=QQQQQIIII64s64s32s2Q")
 # struct loop_config: fd, block_size, info, reserved[8]
 _CONFIG = struct.Struct("=II" + _INFO.format[1:] + "8Q")
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_RELEASE_WAIT = 2.0
+"""Seconds a lazily detached image may take to be let go before it counts as still held."""
 
 
 def is_mount_point(base_fd: int, name: str) -> bool:
@@ -261,6 +263,16 @@ def attached(fd: int) -> bool:
     return False
 
 
+def _held(fd: int, wait: float) -> bool:
+    """Whether a loop device still holds the image ``fd`` after ``wait`` seconds."""
+    end = time.monotonic() + wait
+    while attached(fd):
+        if time.monotonic() >= end:
+            return True
+        time.sleep(0.05)  # autoclear runs in the kernel's own time; nothing to wait on but polling
+    return False
+
+
 def unmount_image(base_fd: int, state_fd: int, name: str, timeout: float, delete: bool = True) -> int | None:
     """Unmount ``<base>/<name>`` and delete its image, once the filesystem is really gone.
 
@@ -294,7 +306,10 @@ def unmount_image(base_fd: int, state_fd: int, name: str, timeout: float, delete
         # Unmounted for real just now: the loop device lets go of the image as
         # it clears itself, a moment later; detached lazily (now or by an
         # earlier epilog): the blocks live on while anyone holds a file in it.
-        if lazy or (not mounted and attached(fd)):
+        # What made the real unmount fail may have been only mounts inside (a
+        # user's dead FUSE mount), which the lazy detach took along: then the
+        # device lets go within moments too.
+        if (lazy and _held(fd, min(timeout, _RELEASE_WAIT))) or (not mounted and attached(fd)):
             return fd
         os.close(fd)
         if delete:

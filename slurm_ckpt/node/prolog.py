@@ -8,6 +8,7 @@ or the storage's problem becomes a warning in the job's output instead.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -21,15 +22,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, IOLimits, format_size
+from ..config import Config, IOLimits, format_size, job_dir_name
 from ..errors import ConfigError, StorageError, storage_error
-from . import cgroup, graveyard, loopfs, quota
+from . import cgroup, commands, graveyard, loopfs, quota
 from .hook import HookContext, load_context, setup_logging
 from .job import InvalidJob, comment_size
 from .ledger import GRAVE, Ledger
 from .mounts import block_device, cgroup_mount, mount_of
 from .report import JobReport
-from .scratch import hand_over, make_job_dir, open_base, open_state_dir
+from .scratch import hand_over, make_job_dir, open_state_dir
 from .space import check_shared
 
 __all__ = ["run_prolog"]
@@ -47,12 +48,12 @@ def run_prolog(env: Mapping[str, str] | None = None, cfg: Config | None = None) 
     except (ConfigError, InvalidJob) as e:
         log.error("prolog skipped, the job runs without slurm-ckpt scratch: %s", e)
         return None
-    base_fd = open_base(str(ctx.base))  # a node fault if this fails: let it drain the node
+    base_fd = ctx.open_base()
     try:
         state_fd = open_state_dir(base_fd)
         try:
             report = _prepare(ctx, base_fd, state_fd)
-            report.write(state_fd, ctx.job.uid, ctx.job.gid)
+            _write_report(ctx, report, base_fd, state_fd)
         finally:
             os.close(state_fd)
     except OSError as e:
@@ -85,11 +86,11 @@ def _prepare(ctx: HookContext, base_fd: int, state_fd: int) -> JobReport:
             return _exists(f"{graveyard.GRAVE_DIR}/{key[len(GRAVE):]}", state_fd)
         # A reservation younger than a prolog's time budget may still be making its dir.
         young = time.time() - float(entry.get("since", 0)) < 2 * sc.prolog_timeout
-        return young or _exists(f"job_{key}", base_fd)
+        return young or _exists(job_dir_name(key), base_fd)
 
     def set_aside(job_id: str, entry: dict[str, Any]) -> str | None:
         # The id came back for another job: the old job's kept scratch is not this one's.
-        return graveyard.set_aside_kept(base_fd, state_fd, f"job_{job_id}")
+        return graveyard.set_aside_kept(base_fd, state_fd, job_dir_name(job_id))
 
     grant = ledger.reserve(job.job_id, want, uid=job.uid, policy=sc.over_reserve, min_size=sc.min_size,
                            restarts=job.restart_count, alive=alive, set_aside=set_aside)  # fmt: skip
@@ -140,6 +141,26 @@ def _exists(name: str, dir_fd: int) -> bool:
     return True
 
 
+def _write_report(ctx: HookContext, report: JobReport, base_fd: int, state_fd: int) -> None:
+    """Root's report, which the job's user may read but not change (see :class:`JobReport`)."""
+    job_fd = -1
+    if report.scratch:
+        with contextlib.suppress(OSError):
+            job_fd = os.open(ctx.job.dir_name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             dir_fd=base_fd)  # fmt: skip
+    try:
+        how = report.write(state_fd, ctx.job.uid, job_fd if job_fd >= 0 else None)
+    finally:
+        if job_fd >= 0:
+            os.close(job_fd)
+    if how == "copy":
+        log.warning("%s has no POSIX ACLs: the job reads a read-only copy of its report in %s instead",
+                    ctx.base, ctx.scratch)  # fmt: skip
+    elif not how:
+        log.warning("%s has no POSIX ACLs and no copy of the report is in the job's scratch: its "
+                    "warnings are only here: %s", ctx.base, "; ".join(report.warnings) or "none")  # fmt: skip
+
+
 def _make_scratch(ctx: HookContext, base_fd: int, state_fd: int, ledger: Ledger, size: int) -> str:
     """Create the job dir, enforce ``size`` on it, then hand it over; return how it is enforced.
 
@@ -152,7 +173,9 @@ def _make_scratch(ctx: HookContext, base_fd: int, state_fd: int, ledger: Ledger,
         mode = sc.enforce
         mount = mount_of(ctx.base)
         if mode == "auto":
-            mode = "quota" if quota.has_project_quota(mount) else "none"
+            # A loop filesystem wherever it works: a project quota limits nothing in the init
+            # user namespace, where a file's owner may change its project id.
+            mode = "loop" if _loop_works(sc.loop_fstype) else "quota" if quota.has_project_quota(mount) else "none"
         if mode == "loop":
             if not loopfs.is_mount_point(base_fd, job.dir_name):
                 loopfs.mount_image(state_fd, job.dir_name, fd, size, sc.loop_fstype, sc.max_inodes,
@@ -193,6 +216,11 @@ def _refuse_foreign_image(base_fd: int, state_fd: int, ledger: Ledger, name: str
                                     "with no ledger entry", "kept_since": time.time()})  # fmt: skip
     raise StorageError(errno.EEXIST, "a kept scratch image of another user was in the way; set aside "
                        "for the admin", name)  # fmt: skip
+
+
+def _loop_works(fstype: str) -> bool:
+    """Whether this node can make and mount a per-job image: loop devices, mkfs and mount."""
+    return os.path.exists("/dev/loop-control") and bool(commands.which(f"mkfs.{fstype}") and commands.which("mount"))
 
 
 def _start_space_check(ctx: HookContext, report: JobReport) -> threading.Thread:
@@ -269,5 +297,8 @@ def _spawn_v2(root: Path, rel: str, limits: IOLimits, device: tuple[int, int] | 
     # slurmd reads the prolog's output until EOF, so the helper must not hold
     # a pipe to it; a log file (the shim's) is fine.
     err = None if stat.S_ISREG(os.fstat(2).st_mode) else subprocess.DEVNULL
-    subprocess.Popen([sys.executable, "-m", "slurm_ckpt.node.cgroup", args], start_new_session=True,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+    # Isolated (-I) and from /: with -m, Python would otherwise import from slurmd's
+    # working directory first, and a slurm_ckpt/ planted there would run as root.
+    subprocess.Popen([sys.executable, "-I", "-m", "slurm_ckpt.node.cgroup", args], cwd="/",
+                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=err)  # fmt: skip

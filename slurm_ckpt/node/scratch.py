@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import StorageError, storage_error
+from .rootdir import open_root_dir
 
 if TYPE_CHECKING:
     from .hook import Deadline
@@ -50,19 +51,17 @@ _MAX_REASONS = 10
 def open_base(base: str) -> int:
     """Open the admin-configured scratch base, creating it if needed.
 
-    Failure here is a node fault (the local disk is missing or read-only), the
-    one case where the hook should make Slurm drain the node.
+    Failure here is a node fault, the one case where the hook should make
+    Slurm drain the node: the local disk is missing or read-only, or the base
+    is a symlink or not root's alone all the way up (then a user could swap
+    it for a place of their choosing: see :func:`open_root_dir`).
     """
     try:
-        os.makedirs(base, mode=0o755, exist_ok=True)
-        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        return open_root_dir(base)
     except OSError as e:
-        raise storage_error(e, "scratch base unusable (node-local disk missing or read-only?)", base) from e
-    st = os.fstat(fd)
-    if st.st_uid != 0 or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
-        log.warning("scratch base %s is owned by uid %d mode %o: users can plant names in it; "
-                    "make it root-owned 0755", base, st.st_uid, st.st_mode & 0o7777)  # fmt: skip
-    return fd
+        raise StorageError(e.errno or errno.EIO, f"scratch base unusable: {e.filename or base}: {e.strerror} "
+                           "(node-local disk missing or read-only, or not root's alone: make the base "
+                           "and every dir above it root-owned and not group/world-writable)", base) from e
 
 
 def _token() -> str:

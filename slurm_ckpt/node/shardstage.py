@@ -10,6 +10,9 @@ runs in the stage-out child, with the job user's rights only.
 Every shard newer than the durable tier is staged, not only the newest: if
 another node's drain got its older shard out but died before the newer one,
 this node's older shard is what completes the last whole checkpoint.
+
+The durable tier's newest checkpoint is found with the same screens as
+scratch (see :func:`.stageout.newest_step`): the user writes both.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 from ..errors import CheckpointCorrupt
 from ..store import shards as sh
 from ..store.manifest import Manifest
-from .stageout import StageResult
+from .stageout import StageResult, newest_step, sparse_excess
 
 __all__ = ["has_shards", "stage_shards"]
 
@@ -62,15 +65,18 @@ def has_shards(scratch_ckpt: Path) -> bool:
     return bool(_rank_dirs(scratch_ckpt))
 
 
-def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float, *, keep: int | None = None) -> StageResult:
+def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float, *, keep: int | None = None,
+                 sparse_bytes: int | None = None) -> StageResult:  # fmt: skip
     """Stage every shard on this node that the durable tier still needs. Never raises.
 
     ``keep`` (the job's, from ``TIER.json``): make room on a full durable tier
     and apply retention after an assembly, as the job's own drain does.
+    ``sparse_bytes``: a shard stored sparse that would be written out larger
+    than this is not staged (see :func:`sparse_excess`).
     """
     start = time.monotonic()
     try:
-        newest = sh.newest_durable_step(durable)
+        newest = newest_step(durable)
     except OSError as e:
         return StageResult("failed", f"cannot read the durable run dir {durable}: {e}")
     staged: list[str] = []
@@ -91,6 +97,9 @@ def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float, *, keep
                 break  # another node's epilog completed a newer one meanwhile
             name = f"{sh.shard_name(shard.rank)} step {shard.step}"
             try:
+                if sparse_bytes is not None and (why := sparse_excess(shard.path, shard.manifest, sparse_bytes)):
+                    errors.append(why)
+                    continue
                 sh.stage_shard(shard, durable, keep=keep, lock_timeout=lock_timeout)
                 done = sh.complete(
                     durable,
@@ -131,7 +140,7 @@ def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float, *, keep
 
 def _superseded(durable: Path, step: int) -> bool:
     try:
-        newest = sh.newest_durable_step(durable)
+        newest = newest_step(durable)
     except OSError:
         return False
     return newest is not None and newest >= step

@@ -1,47 +1,61 @@
 """Epilog stage-out: the newest checkpoint that exists only on scratch goes to the durable run dir.
 
-Root forks a child that takes the job user's uid, gid and groups before it
-reads anything the user wrote. Everything the child opens, it opens with the
-user's rights, so a hardlink to a root-only file, or a symlink to another
-user's dir, fails as it would for the user. The copy goes through
-:func:`slurm_ckpt.store.copy_checkpoint` (checksummed while copied, committed
-with the store's protocol) and is verified again in full before it counts.
+It runs in a child forked by root (:mod:`.userchild`) that closes every fd
+root opened, then takes the job user's uid, gid and groups before it reads
+anything the user wrote. Everything the child opens, it opens with the user's
+rights, so a hardlink to a root-only file, or a symlink to another user's dir,
+fails as it would for the user. The destination must be an allowed one (see
+:mod:`.destination`).
+Both sides get the same screens: a manifest of bounded size, regular files
+only. The copy goes through :func:`slurm_ckpt.store.copy_checkpoint`
+(checksummed while copied, committed with the store's protocol) and is
+verified again in full before it counts.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import resource
-import select
-import signal
 import stat
-import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointCorrupt, SlurmCkptError
+from ..store.layout import TIER_FILE
+from .destination import Destination, open_destination
+from .escape import FIELD_LIMIT, escape
 from .job import Job
 from .scratch import mount_id
+from .userchild import run_as_user
 
 if TYPE_CHECKING:
     from ..store import Candidate
+    from ..store.manifest import Manifest
 
-# The store is imported in the functions that use it, which only the stage-out
-# child calls: every epilog imports this module, few stage anything out.
+# The rest of the store is imported in the functions that use it, which only
+# the stage-out child calls: every epilog imports this module, few stage out.
 
-__all__ = ["TIER_FILE", "StageResult", "Tier", "read_tier", "stage_out"]
+__all__ = [
+    "TIER_FILE",
+    "StageLimits",
+    "StageResult",
+    "Tier",
+    "newest_step",
+    "read_tier",
+    "sparse_excess",
+    "stage_out",
+]
 
-TIER_FILE = "TIER.json"
+log = logging.getLogger("slurm_ckpt.node")
+
 _MAX_TIER = 64 * 1024
 _MAX_KEEP = 1_000_000
-STAGE_MEMORY = 4 * 1024**3
-"""Address-space limit of the stage-out child (bytes)."""
+_SPARSE_SLACK = 1024**2
+_STATUSES = ("staged", "up-to-date", "none", "failed", "timeout")
 _DONE = ("staged", "up-to-date", "none")
-_POLL = 0.2
-"""Seconds between looks at whether the child was stopped, while it is silent."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,51 @@ class StageResult:
     def scratch_disposable(self) -> bool:
         """True when deleting scratch loses no checkpoint that exists nowhere else."""
         return self.status in _DONE
+
+    @classmethod
+    def from_child(cls, data: bytes) -> StageResult:
+        """The child's JSON result, checked field by field; a bad one is a failure."""
+        try:
+            doc = json.loads(data)
+            status, detail, step, path = doc["status"], doc["detail"], doc["step"], doc["path"]
+        except (ValueError, TypeError, KeyError):
+            return cls("failed", "the stage-out child died without a result")
+        if status not in _STATUSES or not isinstance(detail, str):
+            return cls("failed", "the stage-out child sent a malformed result")
+        return cls(status, escape(detail, 2 * FIELD_LIMIT), step if type(step) is int else None,
+                   escape(path) if isinstance(path, str) else None)  # fmt: skip
+
+
+class _ShownPaths(logging.Filter):
+    """In the child's records, a destination's fd path is written as the path the job named."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dests: list[Destination] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.dests:
+            msg = record.getMessage()
+            for dest in self.dests:
+                msg = dest.show(msg)
+            record.msg, record.args = msg, None
+        return True
+
+
+_SHOWN = _ShownPaths()
+
+
+@dataclass(frozen=True)
+class StageLimits:
+    """What the epilog allows the stage-out to write, and where."""
+
+    roots: tuple[str, ...]
+    """A durable run dir must lie under one of these (``storage.stage_out_allowed()``)."""
+    scratch_devs: frozenset[int]
+    """``st_dev`` of the scratch filesystems: never a destination."""
+    sparse_bytes: int
+    """Most bytes a checkpoint stored sparse on scratch may become when copied out dense
+    (the job's reservation): past that, holes would turn into real blocks on shared storage."""
 
 
 @dataclass(frozen=True)
@@ -90,27 +149,27 @@ def read_tier(scratch_ckpt: Path) -> Tier | None:
     return Tier(Path(os.path.normpath(durable)), keep)
 
 
-def _candidates(scratch_ckpt: Path, errors: list[str]) -> Iterator[Candidate]:
-    """Checkpoints on scratch that look valid, newest first (sizes and headers checked).
+def _screened(run_dir: Path, errors: list[str], mount: int | None = None) -> Iterator[Candidate]:
+    """Checkpoints in ``run_dir`` that look valid, newest first (sizes and headers checked).
 
-    A corrupt one is skipped, and so is one on another filesystem than
-    scratch (a mount the user made there). One that cannot be read (EIO,
-    EACCES) is skipped too but noted in ``errors``: it might be good, so
-    scratch must be kept.
+    The screen runs before the store opens anything: the manifest a regular
+    file of bounded size, every file it names a regular file. A corrupt
+    checkpoint is skipped, and with ``mount``, so is one on another mount (a
+    user's FUSE mount inside scratch). One that cannot be read (EIO, EACCES)
+    is skipped too but noted in ``errors``: it might be good, so scratch must
+    be kept.
     """
     from ..store import Candidate, verify_checkpoint
     from ..store.layout import list_steps
     from ..store.manifest import MANIFEST, Manifest
-    from ..store.shards import plain_files
+    from ..store.verify import plain_files
 
-    scratch_mnt = _mount_of(scratch_ckpt.parent)
-    for step, path in list_steps(scratch_ckpt):
+    for step, path in list_steps(run_dir):
         try:
-            if _mount_of(path) != scratch_mnt:
+            if mount is not None and _mount_of(path) != mount:
                 continue
             if not stat.S_ISDIR(os.lstat(path).st_mode) or not plain_files(path, [MANIFEST]):
                 continue
-            # Screen every file the manifest names before the store opens any of them.
             if not plain_files(path, list(Manifest.read(path).files)):
                 continue
             man = verify_checkpoint(path, full=False)
@@ -134,29 +193,81 @@ def _mount_of(path: Path) -> int | None:
         os.close(fd)
 
 
-def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float) -> StageResult:
-    if _mount_of(scratch_ckpt) != _mount_of(scratch_ckpt.parent):
+def newest_step(run_dir: Path) -> int | None:
+    """Step of the newest checkpoint in ``run_dir`` that passes the screens and the quick check."""
+    cand = next(_screened(run_dir, []), None)
+    return cand.step if cand else None
+
+
+def sparse_excess(path: Path, man: Manifest, limit: int) -> str | None:
+    """Why checkpoint ``path`` may not be copied out dense, or None.
+
+    A copy writes every byte of a file's apparent size. Holes in a sparse
+    file cost scratch nothing, so a job could ask for far more than it ever
+    stored: past ``limit`` (its reservation), only what it really stored on
+    scratch may be written out.
+    """
+    apparent = stored = 0
+    for name in man.files:
+        st = os.lstat(path / name)
+        apparent += st.st_size
+        stored += st.st_blocks * 512
+    if apparent <= max(limit, stored) + _SPARSE_SLACK:
+        return None
+    return (f"{path}: sparse files of {apparent} bytes ({stored} stored on scratch) would be written out "
+            f"dense, more than the job's reservation of {limit} bytes; not staged")  # fmt: skip
+
+
+def _stage(scratch_ckpt: Path, default_durable: Path | None, limits: StageLimits, lock_timeout: float) -> StageResult:
+    scratch_mnt = _mount_of(scratch_ckpt.parent)
+    if _mount_of(scratch_ckpt) != scratch_mnt:
         # Checked before anything is read there: a user's FUSE mount may never answer.
         return StageResult("none", f"{scratch_ckpt} is a mount, not the job's scratch")
     tier = read_tier(scratch_ckpt)
-    durable, keep = (tier.durable, tier.keep) if tier else (default_durable, None)
-    if durable is None:
-        if next(_candidates(scratch_ckpt, []), None) is None:
-            return StageResult("none", f"no valid checkpoint in {scratch_ckpt}")
-        return StageResult("failed", "no durable run dir: no TIER.json and no storage.root")
-    from ..store import RunDir, find_latest, verify_checkpoint
+    wanted = [tier.durable] if tier else []
+    if default_durable is not None and Path(os.path.normpath(default_durable)) not in wanted:
+        wanted.append(Path(os.path.normpath(default_durable)))
+    no_durable = StageResult("failed", "no durable run dir: no TIER.json and no storage.root")
+    keep = tier.keep if tier else None
+    from ..store import RunDir, verify_checkpoint
     from ..store.retention import apply_retention
     from .shardstage import has_shards, stage_shards
 
     if has_shards(scratch_ckpt):
         # A cross-node sharded job: this node's shards go to the durable staging dirs.
-        return stage_shards(scratch_ckpt, durable, lock_timeout, keep=keep)
-    newest = find_latest([durable], full=False)
+        if not wanted:
+            return no_durable
+        dest, refused = _destination(wanted, limits)
+        if dest is None:
+            return StageResult("failed", refused)
+        res = stage_shards(scratch_ckpt, dest.path, lock_timeout, keep=keep, sparse_bytes=limits.sparse_bytes)
+        return _shown(res, dest, refused)
     errors: list[str] = []
-    for cand in _candidates(scratch_ckpt, errors):
+    candidates = _screened(scratch_ckpt, errors, scratch_mnt)
+    first = next(candidates, None)
+    if first is None:
+        if errors:
+            return StageResult("failed", "unreadable checkpoint(s): " + "; ".join(errors))
+        return StageResult("none", f"no valid checkpoint in {scratch_ckpt}")
+    if not wanted:
+        return no_durable
+    dest, refused = _destination(wanted, limits)
+    if dest is None:
+        return StageResult("failed", refused)
+    newest = next(_screened(dest.path, []), None)
+    for cand in (first, *candidates):
         if newest is not None and newest.step >= cand.step:
-            return StageResult("up-to-date", f"{durable} has step {newest.step}", newest.step, str(newest.path))
-        run = RunDir(durable, lock_timeout=lock_timeout)
+            return _shown(StageResult("up-to-date", f"{dest.path} has step {newest.step}", newest.step,
+                                      str(newest.path)), dest, refused)  # fmt: skip
+        try:
+            why = sparse_excess(cand.path, cand.manifest, limits.sparse_bytes)
+        except OSError as e:
+            why = f"{cand.path}: {e}"
+        if why:
+            log.warning("%s", why)
+            errors.append(why)
+            continue
+        run = RunDir(dest.path, lock_timeout=lock_timeout)
         run.lock()
         try:
             dst = _copy_in(cand.path, run.path, keep)
@@ -168,10 +279,30 @@ def _stage(scratch_ckpt: Path, default_durable: Path | None, lock_timeout: float
             continue
         finally:
             run.unlock()
-        return StageResult("staged", f"{cand.path} -> {dst}", cand.step, str(dst))
+        passed = f" (newer ones passed over: {'; '.join(errors)})" if errors else ""
+        return _shown(StageResult("staged", f"{cand.path} -> {dst}{passed}", cand.step, str(dst)), dest, refused)
     if errors:
-        return StageResult("failed", "unreadable checkpoint(s): " + "; ".join(errors)[:2000])
+        return StageResult("failed", "checkpoint(s) not staged: " + "; ".join(errors))
     return StageResult("none", f"no valid checkpoint in {scratch_ckpt}")
+
+
+def _destination(wanted: list[Path], limits: StageLimits) -> tuple[Destination | None, str]:
+    """The first of ``wanted`` (TIER.json's, then the default) that is allowed; why others were refused."""
+    refused: list[str] = []
+    for path in wanted:
+        dest, why = open_destination(path, limits.roots, limits.scratch_devs)
+        if dest is not None:
+            _SHOWN.dests.append(dest)
+            return dest, "; ".join(refused)
+        log.warning("not staging to %s: %s", escape(path), why)
+        refused.append(f"{path}: {why}")
+    return None, "no allowed durable run dir: " + "; ".join(refused)
+
+
+def _shown(res: StageResult, dest: Destination, refused: str) -> StageResult:
+    """``res`` with the destination's real name for its fd path, and what was refused first."""
+    detail = dest.show(res.detail) + (f" (refused {refused})" if refused else "")
+    return replace(res, detail=detail, path=dest.show(res.path) if res.path else None)
 
 
 def _copy_in(src: Path, durable: Path, keep: int | None) -> Path:
@@ -186,80 +317,26 @@ def _copy_in(src: Path, durable: Path, keep: int | None) -> Path:
     return pruned_once(lambda: copy_checkpoint(src, durable), prune, f"staging {src} out to {durable}")
 
 
-def _become(job: Job) -> None:
-    """Take the job user's identity for good (real, effective and saved ids)."""
-    os.setgroups(os.getgrouplist(job.user, job.gid))
-    os.setresgid(job.gid, job.gid, job.gid)
-    os.setresuid(job.uid, job.uid, job.uid)
-    os.umask(0o077)
-    os.chdir("/")
-    # This child runs outside the job's cgroup: bound what user data can make it allocate.
-    resource.setrlimit(resource.RLIMIT_AS, (STAGE_MEMORY, STAGE_MEMORY))
-
-
-def _stopped(pid: int) -> bool:
-    """Whether the child is stopped. It runs as the user, so the user can stop it; waiting
-    for it then would only hold the epilog up until its deadline."""
-    try:
-        info = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return False
-    return info is not None and info.si_code == os.CLD_STOPPED
-
-
-def _reap(pid: int, wait: float) -> None:
-    # Bounded: a child stuck in an unkillable NFS write must not hang the epilog too.
-    end = time.monotonic() + wait
-    while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < end:
-        time.sleep(0.01)
-
-
-def stage_out(scratch_ckpt: Path, default_durable: Path | None, job: Job, timeout: float) -> StageResult:
+def stage_out(scratch_ckpt: Path, default_durable: Path | None, job: Job, timeout: float,
+              limits: StageLimits) -> StageResult:  # fmt: skip
     """Stage out as ``job``'s user within ``timeout`` seconds; never raises.
 
     On timeout the child is killed and the result says so: the caller then
     keeps scratch, because it may hold the only copy.
     """
-    try:
-        r, w = os.pipe()
-        pid = os.fork()
-    except OSError as e:
-        return StageResult("failed", f"cannot start the stage-out child: {e}")
-    if pid == 0:  # the child: never returns
-        os.close(r)
+
+    def work() -> bytes:  # in the child, as the user
         try:
-            _become(job)
-            res = _stage(scratch_ckpt, default_durable, min(10.0, timeout / 2))
+            res = _stage(scratch_ckpt, default_durable, limits, min(10.0, timeout / 2))
         except (SlurmCkptError, OSError) as e:
-            res = StageResult("failed", f"{type(e).__name__}: {e}")
+            res = StageResult("failed", f"{type(e).__name__}: {escape(e)}")
         except BaseException as e:  # reported to the parent, which logs it
-            res = StageResult("failed", f"unexpected {type(e).__name__}: {e}")
-        try:
-            os.write(w, json.dumps(asdict(res)).encode()[:60000])
-        finally:
-            os._exit(0)
-    os.close(w)
-    data = b""
-    deadline = time.monotonic() + timeout
-    try:
-        while (left := deadline - time.monotonic()) > 0:
-            if select.select([r], [], [], min(left, _POLL))[0]:
-                chunk = os.read(r, 65536)
-                if not chunk:
-                    break
-                data += chunk
-            elif _stopped(pid):
-                os.kill(pid, signal.SIGKILL)
-                _reap(pid, 5.0)
-                return StageResult("failed", "the stage-out child was stopped (a SIGSTOP from the job's user?); killed")
-        else:
-            os.kill(pid, signal.SIGKILL)
-            _reap(pid, 5.0)
-            return StageResult("timeout", f"stage-out still running after {timeout:.0f}s; killed")
-        _reap(pid, 5.0)
-    finally:
-        os.close(r)
-    try:
-        return StageResult(**json.loads(data))
-    except (ValueError, TypeError):
-        return StageResult("failed", "the stage-out child died without a result")
+            res = StageResult("failed", f"unexpected {type(e).__name__}: {escape(e)}")
+        return json.dumps(asdict(replace(res, detail=escape(res.detail, 2 * FIELD_LIMIT)))).encode()
+
+    out = run_as_user(job, work, timeout, name="stage-out", log_filter=_SHOWN)
+    if out.stopped:
+        return StageResult("failed", "the stage-out child was stopped (a SIGSTOP from the job's user?); killed")
+    if out.timed_out:
+        return StageResult("timeout", f"stage-out still running after {timeout:.0f}s; killed")
+    return StageResult.from_child(out.result or b"")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..config import load_config
 from ..errors import ConfigError
-from .report import JobReport, report_path, task_prolog_lines
+from .report import SCRATCH_COPY, JobReport, report_path, task_prolog_lines
 from .scratch import STATE_DIR
 
 __all__ = ["task_prolog"]
@@ -30,5 +30,8 @@ def task_prolog(env: Mapping[str, str] | None = None) -> list[str]:
         cfg = load_config(env=env)
     except ConfigError as e:
         return [f"print slurm-ckpt: warning: config error, no scratch info: {e}".replace("\n", " ")]
-    report = JobReport.read(report_path(Path(cfg.scratch.base) / STATE_DIR, job_id))
+    base = Path(cfg.scratch.base)
+    # Root's report is readable by this user through an ACL, or else as a copy in the job's scratch.
+    report = JobReport.read(report_path(base / STATE_DIR, job_id)) or JobReport.read(
+        base / f"job_{job_id}" / SCRATCH_COPY)
     return task_prolog_lines(report, first_task=env.get("SLURM_LOCALID", "0") == "0")

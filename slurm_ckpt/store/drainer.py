@@ -1,7 +1,7 @@
 """The background copy from node-local scratch to durable storage, newest first.
 
 Both single-process tiers (``tiers.py``) and cross-node shards
-(``crossnode.py``) drain the same way, so the thread and its bookkeeping live
+(``placement/crossnode.py``) drain the same way, so the thread and its bookkeeping live
 here once.
 """
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import filelock
 
+from .._env import job_id
 from ..errors import LockHeld, storage_error
 from .fsutil import read_small
 from .layout import LOCK_NAME
@@ -47,7 +48,7 @@ class RunDirLock:
         except OSError as e:
             raise storage_error(e, "cannot lock run dir (does the filesystem support flock?)", self.path) from e
         note = {"host": socket.gethostname(), "pid": os.getpid(),
-                "job_id": os.environ.get("SLURM_JOB_ID", ""), "since": time.time()}  # fmt: skip
+                "job_id": job_id(), "since": time.time()}  # fmt: skip
         # The note is advisory; the lock itself is what protects. Never blocking:
         # a FIFO planted at its name must not hang the writer (or the epilog's
         # stage-out) waiting for a reader.

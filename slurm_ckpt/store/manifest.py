@@ -11,7 +11,6 @@ Without it a flipped digit in, say, the step time would go unnoticed.
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import time
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._env import job_id as current_job_id
 from ..errors import CheckpointCorrupt, storage_error
 from .fsutil import read_small
 from .tensorfile import CHECKSUM, FileRecord
@@ -31,6 +31,9 @@ VERSION = 1
 MANIFEST = "MANIFEST.json"
 MANIFEST_LIMIT = 1 << 30
 """A manifest larger than this is damage, not a checkpoint (and would exhaust memory)."""
+UNTRUSTED_MANIFEST_LIMIT = 64 * 1024**2
+"""The tighter bound for a manifest in a tree its user can write, which the root
+epilog reads: checked before it is parsed (``verify.plain_files``)."""
 _END = b"\n}"
 _SELF_CRC = re.compile(rb',\n "manifest_crc32": "([0-9a-f]{8})"\n\}\n\Z')
 
@@ -43,7 +46,7 @@ class Manifest:
     """Tensor key -> {"file", "dtype", "shape"}."""
     time: float = field(default_factory=time.time)
     host: str = field(default_factory=socket.gethostname)
-    job_id: str = field(default_factory=lambda: os.environ.get("SLURM_JOB_ID", ""))
+    job_id: str = field(default_factory=current_job_id)
     world_size: int = 1
     nbytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)

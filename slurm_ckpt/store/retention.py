@@ -89,8 +89,7 @@ def discard_checkpoint(path: Path, *, later: bool = False) -> None:
     bench/retention.py``), and a delete running beside the save costs it about
     as much (1.40x), because their fsyncs share the journal commit that frees them.
     """
-    step = int(path.name.removeprefix("step-"))
-    trash = tmp_dir_for(path.parent, step)
+    trash = tmp_dir_for(path.parent, path.name)
     try:
         os.rename(path, trash)
     except FileNotFoundError:

@@ -1,8 +1,8 @@
 """Copy a committed checkpoint to another run dir with the same commit protocol.
 
-Used by the tier drain (scratch -> durable) and by the epilog's stage-out.
-Every byte is checksummed as it is copied and compared with the source
-manifest, so a bad source or a bad copy is never committed.
+Used by the tier drain (scratch -> durable), the epilog's stage-out and the
+staging of shards. Every byte is checksummed as it is copied and compared
+with the source manifest, so a bad source or a bad copy is never committed.
 """
 
 from __future__ import annotations
@@ -17,12 +17,17 @@ from .crc import crc32
 from .fsutil import fsync_dir, fsync_file, open_regular
 from .manifest import Manifest
 from .tensorfile import CHUNK, FileRecord
-from .verify import verify_checkpoint
+from .verify import crc_file, verify_checkpoint
 
-__all__ = ["copy_checkpoint"]
+__all__ = ["copy_checkpoint", "copy_file", "copy_files"]
 
 
-def _copy_file(src: Path, dst: Path, expected: FileRecord) -> FileRecord:
+def copy_file(src: Path, dst: Path, expected: FileRecord) -> FileRecord:
+    """Copy one checkpoint file to the new file ``dst`` and fsync it.
+
+    :class:`CheckpointCorrupt` unless what was read matches ``expected``
+    (size and crc32).
+    """
     crc = 0
     size = 0
     buf = bytearray(CHUNK)
@@ -59,26 +64,41 @@ def _copy_file(src: Path, dst: Path, expected: FileRecord) -> FileRecord:
     return got
 
 
+def copy_files(
+    src: Path, dst: Path, files: dict[str, FileRecord], *, read_back: bool = False
+) -> dict[str, FileRecord]:
+    """Copy the files a manifest lists from checkpoint dir ``src`` into the new dir ``dst``.
+
+    Each file is checked against its record and fsynced (:func:`copy_file`).
+    ``read_back`` reads every copy again in full: the checksum taken while
+    copying was computed on what was read, not on what landed. ``dst``
+    itself is not fsynced; :func:`~slurm_ckpt.store.commit.commit` does that.
+    """
+    out = {}
+    for name, rec in files.items():
+        (dst / name).parent.mkdir(parents=True, exist_ok=True)
+        out[name] = copy_file(src / name, dst / name, rec)
+    if read_back:
+        for name, rec in files.items():
+            got = FileRecord(os.lstat(dst / name).st_size, crc_file(dst / name))
+            if got != rec:
+                raise CheckpointCorrupt(f"{dst / name}: copy has {got.size} bytes crc32 {got.checksum}, "
+                                        f"expected {rec.size} bytes crc32 {rec.checksum}", dst / name)  # fmt: skip
+    # Shard subdirs (rank-NNNNN/) hold file entries of their own: fsync them
+    # too, deepest first, or the files in them can vanish after a crash even
+    # though the manifest that lists them survived.
+    subdirs = {p for n in files for p in (dst / n).parents if p != dst and dst in p.parents}
+    for d in sorted(subdirs, key=lambda p: len(p.parts), reverse=True):
+        fsync_dir(d)
+    return out
+
+
 def copy_checkpoint(src: Path, dst_run_dir: Path) -> Path:
     """Copy checkpoint dir ``src`` into ``dst_run_dir`` as the same step; return the new path."""
     man: Manifest = verify_checkpoint(src, full=False)
 
     def write(tmp: Path) -> tuple[dict[str, FileRecord], dict[str, Any]]:
-        files = {}
-        subdirs = set()
-        for name, rec in man.files.items():
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            parent = (tmp / name).parent
-            while parent != tmp:
-                subdirs.add(parent)
-                parent = parent.parent
-            files[name] = _copy_file(src / name, tmp / name, rec)
-        # Shard subdirs (rank-NNNNN/) hold file entries of their own: fsync them
-        # too, or the files in them can vanish after a crash even though the
-        # manifest that lists them survived. commit() fsyncs only the top dir.
-        for d in sorted(subdirs, key=lambda p: len(p.parts), reverse=True):
-            fsync_dir(d)
-        return files, man.tensors
+        return copy_files(src, tmp, man.files), man.tensors
 
     extra = dict(man.extra, copied_from=str(src))
     return commit(dst_run_dir, man.step, write, time=man.time, host=man.host, job_id=man.job_id,

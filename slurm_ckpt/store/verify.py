@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +19,20 @@ from ..errors import CheckpointCorrupt, storage_error
 from .crc import crc32
 from .fsutil import open_regular, read_small
 from .layout import list_steps, step_dir
-from .manifest import Manifest
+from .manifest import MANIFEST, UNTRUSTED_MANIFEST_LIMIT, Manifest
 from .tensorfile import CHUNK, read_header
 
-__all__ = ["Candidate", "Skipped", "find_latest", "iter_valid", "note_skip", "verify_checkpoint"]
+__all__ = [
+    "Candidate",
+    "Skipped",
+    "crc_file",
+    "find_latest",
+    "is_committed",
+    "iter_valid",
+    "note_skip",
+    "plain_files",
+    "verify_checkpoint",
+]
 
 log = logging.getLogger("slurm_ckpt")
 
@@ -47,7 +58,7 @@ def verify_checkpoint(path: Path, *, full: bool = True) -> Manifest:
     """
     man = Manifest.read(path)
     if man.step != _step_of(path, man.step):
-        raise CheckpointCorrupt(f"{path}: manifest says step {man.step}", path / "MANIFEST.json")
+        raise CheckpointCorrupt(f"{path}: manifest says step {man.step}", path / MANIFEST)
     for name, rec in man.files.items():
         fpath = path / name
         try:
@@ -64,7 +75,7 @@ def verify_checkpoint(path: Path, *, full: bool = True) -> Manifest:
                 f"{fpath}: size is {st.st_size}, manifest expects {rec.size}", fpath
             )
         if full:
-            got = _crc_file(fpath)
+            got = crc_file(fpath)
             if got != rec.checksum:
                 raise CheckpointCorrupt(
                     f"{fpath}: checksum mismatch: expected crc32 {rec.checksum}, got {got}",
@@ -79,6 +90,23 @@ def verify_checkpoint(path: Path, *, full: bool = True) -> Manifest:
             except ValueError as e:
                 raise CheckpointCorrupt(f"{fpath}: not valid JSON ({e})", fpath) from None
     return man
+
+
+def plain_files(path: Path, names: list[str]) -> bool:
+    """True if each name is a regular file, checked without following links.
+
+    A screen before the store opens anything in a user-writable tree: the
+    store refuses non-regular files too, but this one also bounds the manifest
+    before it is parsed.
+    """
+    for name in names:
+        try:
+            st = os.lstat(path / name)
+        except OSError:
+            return False
+        if not stat.S_ISREG(st.st_mode) or (name == MANIFEST and st.st_size > UNTRUSTED_MANIFEST_LIMIT):
+            return False
+    return True
 
 
 def is_committed(run_dir: Path, step: int) -> bool:
@@ -106,7 +134,11 @@ def _step_of(path: Path, default: int) -> int:
         return default
 
 
-def _crc_file(path: Path) -> str:
+def crc_file(path: Path) -> str:
+    """The crc32 of a checkpoint file as the manifest spells it (8 hex digits).
+
+    Opened with :func:`~slurm_ckpt.store.fsutil.open_regular`: never through a link.
+    """
     crc = 0
     buf = bytearray(CHUNK)
     view = memoryview(buf)

@@ -18,6 +18,7 @@ from .codec import EncodedState, decode_state
 from .fsutil import write_file_durably
 from .manifest import Manifest
 from .tensorfile import FileRecord, read_tensors, write_tensor_file
+from .verify import crc_file
 
 __all__ = [
     "OBJECTS_FILE",
@@ -90,11 +91,9 @@ def load_state(
 
     ``read`` reads one data file (``slurm_ckpt.engine`` passes its parallel reader).
     """
-    from .verify import _crc_file
-
     for small in (STATE_FILE, OBJECTS_FILE):
         rec = man.files.get(small)
-        if rec is not None and _crc_file(ckpt / small) != rec.checksum:
+        if rec is not None and crc_file(ckpt / small) != rec.checksum:
             raise CheckpointCorrupt(f"{ckpt / small}: checksum mismatch", ckpt / small)
     try:
         tree = json.loads((ckpt / STATE_FILE).read_bytes())

@@ -74,6 +74,7 @@ not-rank-0, cancelled, max-requeues, no-progress, requeue-failed, no-scontrol.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -81,16 +82,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .._env import default_run_dir
-from ..config import Config, WrapperConfig
+from ..config import Config, WrapperConfig, job_dir_name
 from ..control import parse_signal
 from ..errors import ConfigError, SlurmError
 from ..node.cgroup import join_io_cgroup
 from ..slurm import SlurmCommandMissing, SlurmEnv
 from ..store import find_latest
+from ..store.tiers import fast_dir
 from .backend import JobBackend, LocalJob, SlurmJob
 from .channel import ControlServer
 from .events import Events
-from .policy import Decision, RunFacts, cancel_reason, decide_requeue
+from .policy import Decision, RunFacts, decide_requeue
 from .proctree import become_subreaper
 from .supervisor import RunResult, SignalTrap, Supervisor, Timing
 
@@ -143,7 +145,7 @@ def run_wrapper(
             after = preempt_after[run_no - 1] if run_no <= len(preempt_after) else None
             res = Supervisor(argv, child_env, sig=sig, job=job, timing=timing, trap=trap,
                              server=server, events=events, preempt_after=after).run()  # fmt: skip
-            decision = _decide(res, job, rank, restarts, w.max_requeues, baseline, dirs, ckpt_dir)
+            decision = _decide(res, job, rank, restarts, w.max_requeues, baseline, dirs)
             if decision.reason == "already-requeued":
                 events.emit("requeue", via="slurm", already=True, msg=decision.detail)
                 return _exit(events, 0)
@@ -170,29 +172,23 @@ def _exit(events: Events, code: int) -> int:
 
 def _decide(
     res: RunResult, job: JobBackend, rank: int, restarts: int, max_requeues: int,
-    baseline: int | None, dirs: list[Path], ckpt_dir: Path,
+    baseline: int | None, dirs: list[Path],
 ) -> Decision:  # fmt: skip
+    """Gather the facts of the run that just ended; ``policy.decide_requeue`` decides."""
     new_step = res.committed_step
     if res.committed_path:
         dirs = [*dirs, Path(res.committed_path).parent]
     scanned = _newest_step(dirs)
     if scanned is not None and (new_step is None or scanned > new_step) and scanned != baseline:
         new_step = scanned  # a command that checkpoints without the library
-    crashed = not res.killed_at_deadline and not res.cancelled and res.status is not None and res.code != 0
-    if crashed:
-        return Decision(False, "crashed",
-                        f"the command exited with code {res.code}; passing it through, no requeue")  # fmt: skip
-    cancelled = res.cancelled
-    if res.requested and rank == 0 and not job.local:
-        info = job.job_info()
-        if info is not None and info.restarts > restarts:
-            return Decision(False, "already-requeued",
-                            f"Slurm has requeued the job itself (Restarts={info.restarts})")  # fmt: skip
-        cancelled = cancelled or cancel_reason(info, time.time())
-    return decide_requeue(RunFacts(
-        requested=res.requested, cancelled=cancelled, rank=rank, restarts=restarts,
+    facts = RunFacts(
+        requested=res.requested, cancelled=res.cancelled, rank=rank, restarts=restarts,
         max_requeues=max_requeues, baseline_step=baseline, new_step=new_step,
-    ))  # fmt: skip
+        exit_code=res.code if res.status is not None else None, killed_at_deadline=res.killed_at_deadline,
+    )  # fmt: skip
+    if facts.needs_job and not job.local:
+        facts = dataclasses.replace(facts, job=job.job_info(), now=time.time())
+    return decide_requeue(facts)
 
 
 def _requeue(job: JobBackend, res: RunResult, events: Events, w: WrapperConfig) -> int:
@@ -221,7 +217,7 @@ def _child_env(
     cfg.engine.torch_env(out)
     if not out.get("SLURM_CKPT_SCRATCH") and slurm.job_id and cfg.scratch.base:
         # The prolog's per-job scratch, when the TaskProlog did not export it.
-        guess = Path(cfg.scratch.base) / f"job_{slurm.job_id}"
+        guess = Path(cfg.scratch.base) / job_dir_name(slurm.job_id)
         if guess.is_dir() and os.access(guess, os.W_OK):
             out["SLURM_CKPT_SCRATCH"] = str(guess)
     return out
@@ -231,7 +227,7 @@ def _search_dirs(env: dict[str, str], ckpt_dir: Path) -> list[Path]:
     dirs = [ckpt_dir]
     scratch = env.get("SLURM_CKPT_SCRATCH")
     if scratch:
-        dirs.append(Path(scratch) / "ckpt")
+        dirs.append(fast_dir(Path(scratch)))
     return dirs
 
 

@@ -1,7 +1,7 @@
 """The wrapper's end of the control channel: a Unix datagram socket.
 
 The trainer (``slurm_ckpt.control``) sends one datagram per line, ``ready
-<pid>`` or ``committed <step> <path>``. Datagrams keep message boundaries,
+<pid>`` or ``committed <step> <path>`` (``slurm_ckpt/protocol.py``). Datagrams keep message boundaries,
 need no connection (a trainer can report after the wrapper restarted it), and
 the socket's fd sits in the wrapper's ``select`` next to its signal fd, so no
 polling is needed.
@@ -13,37 +13,14 @@ import contextlib
 import shutil
 import socket
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ControlServer", "Message", "parse_message"]
+from ..protocol import Message, parse_message
+
+__all__ = ["ControlServer"]
 
 # sun_path is 108 bytes on Linux; a long $TMPDIR must not break the wrapper.
 _MAX_SOCKET_PATH = 100
-
-
-@dataclass(frozen=True)
-class Message:
-    kind: str
-    """"ready" or "committed" (anything else is kept but ignored)."""
-    pid: int = 0
-    step: int = -1
-    path: str = ""
-
-
-def parse_message(line: str) -> Message | None:
-    """One channel line as a :class:`Message`, or None if it is malformed."""
-    parts = line.rstrip("\n").split(" ", 2)
-    try:
-        if parts[0] == "ready" and len(parts) >= 2:
-            return Message("ready", pid=int(parts[1]))
-        if parts[0] == "committed" and len(parts) == 3:
-            return Message("committed", step=int(parts[1]), path=parts[2])
-    except ValueError:
-        return None
-    if parts[0] in ("ready", "committed"):  # a known kind with missing fields
-        return None
-    return Message(parts[0]) if parts[0] else None
 
 
 class ControlServer:

@@ -1,6 +1,8 @@
 """When the wrapper requeues, and when it must not: one pure function.
 
-Kept free of Slurm, signals and processes so every guard is tested directly.
+Kept free of Slurm, signals and processes so every guard is tested directly:
+the wrapper gathers the facts of a run (:class:`RunFacts`), and
+:func:`decide_requeue` alone decides from them.
 """
 
 from __future__ import annotations
@@ -50,7 +52,16 @@ class RunFacts:
     requested: bool
     """A checkpoint-and-stop was requested (signal, or --preempt-after)."""
     cancelled: str = ""
-    """Why the run counts as cancelled ("" if it does not): SIGINT, JobState=CANCELLED."""
+    """Why the run counts as cancelled ("" if it does not): SIGINT, or the job's
+    state when the request came (:func:`cancel_reason`)."""
+    exit_code: int | None = 0
+    """The command's exit code (128+N for signal N); None if it was never reaped."""
+    killed_at_deadline: bool = False
+    """The wrapper ended the command at the deadline, so its exit code says nothing of its own."""
+    job: JobInfo | None = None
+    """Slurm's view of the job at decision time (asked by rank 0 after a request); None otherwise."""
+    now: float = 0.0
+    """When the decision is made (``time.time()``), for :func:`cancel_reason` on ``job``."""
     rank: int = 0
     restarts: int = 0
     """Requeues before this run (SLURM_RESTART_COUNT, or local restarts)."""
@@ -59,6 +70,17 @@ class RunFacts:
     """Newest valid checkpoint when the run started."""
     new_step: int | None = None
     """Newest checkpoint committed during this run, if any."""
+
+    @property
+    def crashed(self) -> bool:
+        """The command failed on its own: not ended at the deadline, not cancelled, non-zero."""
+        return not self.killed_at_deadline and not self.cancelled and self.exit_code not in (None, 0)
+
+    @property
+    def needs_job(self) -> bool:
+        """Whether Slurm's view of the job can change the decision (so is worth a query):
+        rank 0's, after a request, when the command did not crash."""
+        return self.requested and self.rank == 0 and not self.crashed
 
 
 @dataclass(frozen=True)
@@ -70,13 +92,24 @@ class Decision:
 
 
 def decide_requeue(f: RunFacts) -> Decision:
-    """Requeue only after a requested checkpoint that made progress, from rank 0, within limits."""
-    if not f.requested and not f.cancelled:
+    """Requeue only after a requested checkpoint that made progress, from rank 0, within limits.
+
+    Not when the command crashed (its code is passed through), nor when Slurm
+    has requeued the job itself (``Restarts`` grew: PreemptMode=REQUEUE).
+    """
+    if f.crashed:
+        return Decision(False, "crashed",
+                        f"the command exited with code {f.exit_code}; passing it through, no requeue")  # fmt: skip
+    if f.needs_job and f.job is not None and f.job.restarts > f.restarts:
+        return Decision(False, "already-requeued",
+                        f"Slurm has requeued the job itself (Restarts={f.job.restarts})")  # fmt: skip
+    cancelled = f.cancelled or cancel_reason(f.job, f.now)
+    if not f.requested and not cancelled:
         return Decision(False, "not-requested",
                         "the command ended on its own (no checkpoint was requested)")  # fmt: skip
-    if f.cancelled:
+    if cancelled:
         return Decision(False, "cancelled",
-                        f"the job was cancelled ({f.cancelled}), not preempted")  # fmt: skip
+                        f"the job was cancelled ({cancelled}), not preempted")  # fmt: skip
     if f.rank != 0:
         return Decision(False, "not-rank-0",
                         f"rank {f.rank} never requeues; global rank 0 does")  # fmt: skip

@@ -17,9 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 
+from ..protocol import COMMITTED, READY, Message
 from ..slurm import JobInfo
 from .backend import JobBackend
-from .channel import ControlServer, Message
+from .channel import ControlServer
 from .events import Events
 from .policy import cancel_reason
 from .proctree import descendants, kill_tree, reap, start_child
@@ -221,7 +222,7 @@ class Supervisor:
         self.events.emit("forward", signal=_name(self.sig), pids=",".join(map(str, sent)) or "-")
 
     def _on_message(self, msg: Message) -> None:
-        if msg.kind == "ready":
+        if msg.kind == READY:
             # Only a process of our own tree may steer where signals go.
             if msg.pid in self.ready or msg.pid not in {p.pid for p in descendants(os.getpid())}:
                 return
@@ -229,7 +230,7 @@ class Supervisor:
             self.events.emit("ready", pid=msg.pid)
             if self.res.requested:  # a request held while the trainer was not listening
                 self._forward([msg.pid])
-        elif msg.kind == "committed":
+        elif msg.kind == COMMITTED:
             if self.res.committed_step is None or msg.step >= self.res.committed_step:
                 self.res.committed_step, self.res.committed_path = msg.step, msg.path
             self.events.emit("committed", step=msg.step, path=msg.path)

@@ -13,7 +13,7 @@ from pathlib import Path
 from slurm_ckpt import Checkpointer
 from slurm_ckpt.config import Config, MetricsConfig, StorageConfig
 from slurm_ckpt.node.job import Job
-from slurm_ckpt.node.stageout import stage_out
+from slurm_ckpt.node.stageout import StageLimits, stage_out
 from slurm_ckpt.store import verify_checkpoint
 from slurm_ckpt.store.layout import list_steps
 from tests.faultfs import FaultFS
@@ -60,7 +60,8 @@ def test_emergency_save_goes_to_scratch_and_epilog_stages_it_out(
     # The epilog, after the job: the durable storage is back and it stages the checkpoint out.
     job = Job.from_env({"SLURM_JOB_ID": "4242", "SLURM_JOB_UID": "0", "SLURM_JOB_GID": "0",
                         "SLURM_JOB_USER": "root"})  # fmt: skip
-    res = stage_out(scratch / "ckpt", None, job, timeout=60)
+    limits = StageLimits((str(fault_dir),), frozenset({os.stat(scratch).st_dev}), 2**40)
+    res = stage_out(scratch / "ckpt", None, job, timeout=60, limits=limits)
     assert res.status == "staged" and res.step == 2, res
     verify_checkpoint(fault_dir / "step-000000002", full=True)
     # The requeued job, on any node, resumes from the emergency checkpoint.

@@ -171,13 +171,13 @@ def _scenario_fail(run: Path, rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         if rank == 1:
-            ckpt.run_dir.commit(2, write_failing)
+            ckpt.placement.commit(2, write_failing)
         else:
             from slurm_ckpt.store.codec import encode_state
             from slurm_ckpt.store.writer import write_state
 
             enc = encode_state(_state(rank, 2))
-            ckpt.run_dir.commit(2, lambda tmp: write_state(tmp, enc))
+            ckpt.placement.commit(2, lambda tmp: write_state(tmp, enc))
     except Exception as e:
         out = {"error": type(e).__name__, "message": str(e)}
     ckpt.close()

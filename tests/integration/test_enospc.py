@@ -139,8 +139,8 @@ def test_the_epilog_stage_out_makes_room_with_the_jobs_keep(
     import json
 
     from slurm_ckpt.node.job import Job
-    from slurm_ckpt.node.stageout import TIER_FILE, read_tier, stage_out
-    from slurm_ckpt.store.tiers import write_tier_file
+    from slurm_ckpt.node.stageout import StageLimits, read_tier, stage_out
+    from slurm_ckpt.store.tiers import TIER_FILE, write_tier_file
 
     durable = tmpfs("8m")
     with Checkpointer(durable, scratch=False, keep=10) as ck:
@@ -157,7 +157,7 @@ def test_the_epilog_stage_out_makes_room_with_the_jobs_keep(
 
     job = Job.from_env({"SLURM_JOB_ID": "4243", "SLURM_JOB_UID": "0", "SLURM_JOB_GID": "0",
                         "SLURM_JOB_USER": "root"})  # fmt: skip
-    res = stage_out(fast, None, job, timeout=60)
+    res = stage_out(fast, None, job, timeout=60, limits=StageLimits((str(durable),), frozenset(), 2**40))
     steps = sorted(p.name for p in durable.glob("step-*"))
     if keep is None:
         assert res.status == "failed" and "No space left" in res.detail, res

@@ -215,22 +215,24 @@ def test_epilog_of_each_node_stages_its_shards_and_the_last_one_commits(
 def test_epilog_stage_out_child_handles_shards_as_the_user(main: dict[str, Any]) -> None:
     """The epilog's own stage-out (forked child with the user's ids, TIER.json) on each node."""
     from slurm_ckpt.node.job import Job
-    from slurm_ckpt.node.stageout import stage_out
+    from slurm_ckpt.node.stageout import StageLimits, stage_out
 
     base = main["base"]
     job = Job.from_env({"SLURM_JOB_ID": "4242", "SLURM_JOB_UID": str(os.getuid()),
                         "SLURM_JOB_GID": str(os.getgid()), "SLURM_JOB_USER": _user()})  # fmt: skip
-    # No default durable dir: TIER.json on each node's scratch names the run dir.
-    first = stage_out(base / "nodrain2-scratch0" / "ckpt", None, job, timeout=30)
+    # No default durable dir: TIER.json on each node's scratch names the run dir
+    # (scratch and durable share one filesystem here, so no scratch device is named).
+    limits = StageLimits((str(base),), frozenset(), 2**40)
+    first = stage_out(base / "nodrain2-scratch0" / "ckpt", None, job, timeout=30, limits=limits)
     assert first.status == "staged" and first.step is None and first.scratch_disposable, first
-    second = stage_out(base / "nodrain2-scratch1" / "ckpt", None, job, timeout=30)
+    second = stage_out(base / "nodrain2-scratch1" / "ckpt", None, job, timeout=30, limits=limits)
     assert second.status == "staged" and second.step == 30, second
     assert second.path == str(base / "nodrain2" / "step-000000030")
     assert sorted(_manifest(base / "nodrain2" / "step-000000030").extra["shards"]) == [
         "rank-00000",
         "rank-00001",
     ]
-    third = stage_out(base / "nodrain2-scratch0" / "ckpt", None, job, timeout=30)
+    third = stage_out(base / "nodrain2-scratch0" / "ckpt", None, job, timeout=30, limits=limits)
     assert third.status == "up-to-date" and third.scratch_disposable, third
 
 
@@ -471,6 +473,7 @@ def _fail(base: Path, rank: int) -> dict[str, Any]:
     import errno
 
     from slurm_ckpt.errors import NoSpace
+    from slurm_ckpt.placement import CrossNode
 
     run = base / "fail"
     ckpt = _ckpt(run, rank)
@@ -481,7 +484,8 @@ def _fail(base: Path, rank: int) -> dict[str, Any]:
             def write_failing(tmp: Path) -> Any:
                 raise NoSpace(errno.ENOSPC, "cannot write data file", tmp / "x")
 
-            ckpt.crossnode.commit(5, write_failing)
+            assert isinstance(ckpt.placement, CrossNode)
+            ckpt.placement.commit(5, write_failing)
         else:
             ckpt.save(_state(rank, 5), step=5)
     except Exception as e:
@@ -545,6 +549,7 @@ def _nodrain(base: Path, rank: int, name: str = "nodrain") -> dict[str, Any]:
 def _death(base: Path, rank: int) -> dict[str, Any]:
     from slurm_ckpt import Checkpointer
     from slurm_ckpt.config import Config
+    from slurm_ckpt.placement import CrossNode
 
     ckpt = Checkpointer(base / "run", config=Config(), scratch=base / f"scratch{rank}")
     ckpt.save(_state(rank, 10), step=10)
@@ -559,7 +564,8 @@ def _death(base: Path, rank: int) -> dict[str, Any]:
                 time.sleep(120)
                 raise AssertionError("rank 1 should have been killed")
 
-            ckpt.crossnode.commit(20, write_stalling)
+            assert isinstance(ckpt.placement, CrossNode)
+            ckpt.placement.commit(20, write_stalling)
         else:
             ckpt.save(_state(rank, 20), step=20)
     except Exception as e:

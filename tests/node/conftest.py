@@ -54,7 +54,29 @@ def pub_tmp() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="sckt-", dir="/tmp"))
     path.chmod(0o755)
     yield path
+    _unmount_under(path)  # scratch a failed test left mounted (a kept loop image)
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _unmount_under(path: Path) -> None:
+    """Unmount everything mounted below ``path`` (per-job scratch images), innermost first."""
+    for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
+        point = line.split(" ")[4]
+        if point.startswith(str(path) + "/"):
+            _unmount(Path(point))
+
+
+@pytest.fixture
+def scratch_base(pub_tmp: Path) -> Iterator[Path]:
+    """``pub_tmp/scratch`` on a tmpfs of its own, as node-local scratch is: the stage-out
+    refuses a durable run dir on the scratch filesystem, and pub_tmp holds the durable ones."""
+    need_root()
+    base = pub_tmp / "scratch"
+    base.mkdir()
+    sh("mount", "-t", "tmpfs", "-o", "size=512m,mode=0755", "sckt-scratch", str(base))
+    yield base
+    _unmount_under(base)
+    _unmount(base)
 
 
 @pytest.fixture
@@ -77,11 +99,7 @@ def loop_fs(pub_tmp: Path) -> Iterator[Callable[..., Path]]:
 
     yield make
     for mnt in reversed(mounts):
-        # Per-job scratch images mounted inside go first.
-        for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
-            point = line.split(" ")[4]
-            if point.startswith(str(mnt) + "/"):
-                _unmount(Path(point))
+        _unmount_under(mnt)  # per-job scratch images mounted inside go first
         _unmount(mnt)
 
 

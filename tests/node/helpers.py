@@ -34,11 +34,21 @@ class User:
     uid: int
     gid: int
 
-    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *argv: str, check: bool = True, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` as this user (real and effective ids, no supplementary groups)."""
         return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=60,
                               user=self.uid, group=self.gid, extra_groups=[], cwd="/",
-                              env={"PATH": PATH, "LC_ALL": "C"})  # fmt: skip
+                              env={"PATH": PATH, "LC_ALL": "C", **(env or {})})  # fmt: skip
+
+    def task_prolog(self, job_id: str, base: Path) -> list[str]:
+        """The lines ``slurm-ckpt node taskprolog`` prints when it runs as this user, as slurmstepd runs it."""
+        import sys
+
+        bin_ = str(Path(sys.executable).with_name("slurm-ckpt"))
+        env = {"SLURM_JOB_ID": job_id, "SLURM_CKPT_CONFIG": "/dev/null", "SLURM_CKPT_SCRATCH_BASE": str(base)}
+        return self.run(bin_, "node", "taskprolog", env=env).stdout.splitlines()
 
     def env(self, job_id: str, **extra: str) -> dict[str, str]:
         """The environment slurmd gives a prolog for a job of this user."""
@@ -46,11 +56,11 @@ class User:
                 "SLURM_JOB_USER": self.name, "SLURM_JOB_PARTITION": "gpu", **extra}  # fmt: skip
 
 
-def make_cfg(base: Path, root: Path | None = None, **scratch: Any) -> Config:
-    """A config with scratch at ``base`` and durable run dirs under ``root``."""
+def make_cfg(base: Path, root: Path | None = None, stage_out_roots: tuple[Path, ...] = (), **scratch: Any) -> Config:
+    """A config with scratch at ``base`` and durable run dirs under ``root`` (and ``stage_out_roots``)."""
     sc = dataclasses.replace(ScratchConfig(base=str(base), default_size=64 * 2**20,  # type: ignore[arg-type]
                                            min_size=2**20), **scratch)  # type: ignore[arg-type]
-    st = StorageConfig(root=str(root) if root else "")
+    st = StorageConfig(root=str(root) if root else "", stage_out_roots=tuple(map(str, stage_out_roots)))
     return dataclasses.replace(Config(), scratch=sc, storage=st).validate()
 
 
@@ -104,3 +114,68 @@ def fuse_of(user: User, path: Path, *, hung: bool) -> Iterator[None]:
         if fd >= 0:
             os.close(fd)
         sh("umount", "-l", str(path), check=False)
+
+
+def craft_ckpt(run_dir: Path, step: int, files: dict[str, bytes | int], owner: User | None = None,
+               **meta: Any) -> Path:  # fmt: skip
+    """Commit checkpoint ``step`` of hand-made files: bytes, or an int for a sparse file of
+    that many zero bytes (a hole, no blocks). Names may hold anything a user's could."""
+    import zlib
+
+    from slurm_ckpt.store.commit import commit
+    from slurm_ckpt.store.tensorfile import FileRecord
+
+    def write(tmp: Path) -> tuple[dict[str, FileRecord], dict[str, Any]]:
+        recs = {}
+        for name, data in files.items():
+            with open(tmp / name, "wb") as f:
+                if isinstance(data, int):
+                    f.truncate(data)
+                    crc, left, zeros = 0, data, bytes(2**20)
+                    while left:
+                        crc = zlib.crc32(zeros[: min(left, len(zeros))], crc)
+                        left -= min(left, len(zeros))
+                    recs[name] = FileRecord(data, f"{crc:08x}")
+                else:
+                    f.write(data)
+                    recs[name] = FileRecord(len(data), f"{zlib.crc32(data):08x}")
+        return recs, {}
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = commit(run_dir, step, write, **meta)
+    if owner is not None:
+        sh("chown", "-R", f"{owner.uid}:{owner.gid}", str(run_dir))
+    return path
+
+
+def raw_manifest(doc: dict[str, Any]) -> bytes:
+    """A manifest document with a valid self-checksum, whatever its fields say."""
+    import json
+    import zlib
+
+    body = json.dumps(doc, indent=1).encode()[:-2]  # without the closing "\n}"
+    return body + b',\n "manifest_crc32": "%08x"\n}\n' % zlib.crc32(body + b"\n}")
+
+
+def write_config(path: Path, base: Path, root: Path, **sections: dict[str, Any]) -> Path:
+    """A site config file for the CLI hooks: scratch at ``base``, storage under ``root``."""
+    import yaml
+
+    doc: dict[str, dict[str, Any]] = {
+        "scratch": {"base": str(base), "default_size": "64M", "min_size": "1M"},
+        "storage": {"root": str(root)},
+    }
+    for name, keys in sections.items():
+        doc.setdefault(name, {}).update(keys)
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def run_hook(hook: str, env: dict[str, str], config: Path, log: Path) -> int:
+    """``slurm-ckpt node <hook>`` as the shims run it: root, from /, stdout and stderr appended to ``log``."""
+    import sys
+
+    with open(log, "ab") as f:
+        return subprocess.run([str(Path(sys.executable).with_name("slurm-ckpt")), "node", hook], cwd="/",
+                              env={**env, "SLURM_CKPT_CONFIG": str(config)}, stdout=f, stderr=f,
+                              timeout=120).returncode  # fmt: skip

@@ -178,3 +178,78 @@ def test_prolog_starts_the_detached_v2_helper(pub_tmp: Path, user: User, tmp_pat
         assert time.monotonic() < deadline, "the v2 helper never wrote the weight"
         time.sleep(0.05)
     run_epilog(user.env("77"), cfg)
+
+
+@pytest.fixture
+def memory_v1() -> Path:
+    """The real cgroup v1 hierarchy holding the memory controller."""
+    m = cgroup_mount("memory")
+    if m is None or m.fstype != "cgroup" or os.geteuid() != 0:
+        pytest.skip("needs root and a cgroup v1 memory hierarchy")
+    return Path(m.mount_point)
+
+
+def test_no_io_cgroup_in_a_hierarchy_that_holds_memory(pub_tmp: Path, user: User, memory_v1: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """blkio mounted together with memory (here: the memory hierarchy named as the I/O cgroup
+    root): the job's user must get no group there, it would leave Slurm's memory limit."""
+    import dataclasses
+
+    io = IOConfig(default=IOLimits(weight=300), cgroup_root=str(memory_v1))
+    cfg = dataclasses.replace(make_cfg(pub_tmp / "scratch"), io=io)
+    job = f"8{secrets.randbelow(10**6)}"
+    made = memory_v1 / V1_PARENT / f"job_{job}"
+    try:
+        report = run_prolog(user.env(job), cfg)
+        assert report is not None and report.io_cgroup is None
+        assert not made.exists()
+        assert "blkio shares its cgroup hierarchy with memory" in capsys.readouterr().err
+    finally:
+        run_epilog(user.env(job), cfg)
+        for d in (made, made.parent):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+
+def test_joining_refuses_a_hierarchy_that_holds_memory(memory_v1: Path) -> None:
+    cg = memory_v1 / f"sckt-{secrets.token_hex(3)}"
+    cg.mkdir()
+    try:
+        code = ("from slurm_ckpt.node import join_io_cgroup; print(join_io_cgroup()); "
+                "print(open('/proc/self/cgroup').read())")  # fmt: skip
+        out = subprocess.run([sys.executable, "-c", code], env={"SLURM_CKPT_IO_CGROUP": str(cg)},
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        assert out.stdout.startswith("False\n") and f"memory:/{cg.name}" not in out.stdout
+        assert "its hierarchy also holds memory" in out.stderr
+    finally:
+        cg.rmdir()
+
+
+@pytest.mark.parametrize("via", ["cwd", "PYTHONPATH"])
+def test_the_v2_helper_never_imports_from_slurmds_cwd(pub_tmp: Path, user: User, tmp_path: Path, via: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """``python -m`` puts the working directory first on sys.path: a ``slurm_ckpt`` planted in
+    slurmd's working directory would run as root, instead of the real helper. (PYTHONPATH in
+    the hook's environment is the other way in that an isolated interpreter ignores.)"""
+    import dataclasses
+
+    planted, pwned = pub_tmp / "slurmd-cwd", pub_tmp / "pwned"
+    for mod in ("slurm_ckpt/__init__.py", "slurm_ckpt/node/__init__.py", "slurm_ckpt/node/cgroup.py"):
+        (planted / mod).parent.mkdir(parents=True, exist_ok=True)
+        (planted / mod).write_text(f"open({str(pwned)!r}, 'w').write('ran as root')\n")
+    v2_tree(tmp_path)
+    io = IOConfig(default=IOLimits(weight=600), cgroup_root=str(tmp_path), v2_wait=30)
+    cfg = dataclasses.replace(make_cfg(pub_tmp / "scratch"), io=io)
+    if via == "cwd":
+        monkeypatch.chdir(planted)  # the prolog runs in slurmd's working directory
+    else:
+        monkeypatch.setenv("PYTHONPATH", str(planted))
+    run_prolog(user.env("78"), cfg)
+    appear(tmp_path / "system.slice/slurmstepd.scope/job_78")
+    weight = tmp_path / "system.slice/slurmstepd.scope/job_78/io.bfq.weight"
+    deadline = time.monotonic() + 30
+    while weight.read_text() != "default 600" and not pwned.exists():
+        assert time.monotonic() < deadline, "no v2 helper ran at all"
+        time.sleep(0.05)
+    assert not pwned.exists() and weight.read_text() == "default 600"
+    run_epilog(user.env("78"), cfg)

@@ -8,6 +8,7 @@ as the days would, since no test can wait a week.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ def test_a_second_job_filling_the_dying_dir_cannot_hold_the_epilog(pub_tmp: Path
     python = shutil.which("python3", path=PATH)  # the system's: the user cannot run the venv's
     assert python is not None
     base = pub_tmp / "scratch"
-    cfg = make_cfg(base, epilog_timeout=4, reap_budget=0.5)
+    cfg = make_cfg(base, epilog_timeout=4, reap_budget=0.5, enforce="none")
     env = user.env("801")
     run_prolog(env, cfg)
     job = base / "job_801"
@@ -112,11 +113,13 @@ def test_a_second_job_filling_the_dying_dir_cannot_hold_the_epilog(pub_tmp: Path
     assert graves(base) == [] and entries(base) == {}
 
 
-def test_a_users_fuse_mount_in_scratch_is_detached_not_a_pin(pub_tmp: Path, user: User) -> None:
+@pytest.mark.parametrize("enforce", ["none", "loop"])
+def test_a_users_fuse_mount_in_scratch_is_detached_not_a_pin(pub_tmp: Path, user: User, enforce: str) -> None:
     """The job mounted FUSE in its scratch; its daemon died with the job. Root's stat of the
-    mount point fails with EACCES: scratch is removed anyway, and the reservation released."""
+    mount point fails with EACCES: scratch is removed anyway (with loop: the job's filesystem
+    unmounted, the FUSE mounts inside it taken along), and the reservation released."""
     base = pub_tmp / "scratch"
-    cfg = make_cfg(base)
+    cfg = make_cfg(base, enforce=enforce)
     env = user.env("802")
     run_prolog(env, cfg)
     job = base / "job_802"
@@ -133,17 +136,18 @@ def test_a_hung_fuse_mount_as_the_fast_tier_is_not_staged_from(pub_tmp: Path, us
     """``<scratch>/ckpt`` itself is the user's FUSE mount whose daemon never answers:
     it is not the job's scratch, so the stage-out neither waits on it nor keeps it."""
     from slurm_ckpt.node.job import Job
-    from slurm_ckpt.node.stageout import stage_out
+    from slurm_ckpt.node.stageout import StageLimits, stage_out
 
     base = pub_tmp / "scratch"
-    cfg = make_cfg(base, pub_tmp / "shared", epilog_timeout=60)
+    cfg = make_cfg(base, pub_tmp / "shared", epilog_timeout=60, enforce="none")
     env = user.env("803")
     run_prolog(env, cfg)
     job = base / "job_803"
     user.run("mkdir", str(job / "ckpt"))
     with fuse_of(user, job / "ckpt", hung=True):
         # The child, as the user, would hang on any call into it; it makes none.
-        res = stage_out(job / "ckpt", pub_tmp / "shared" / user.name / "job_803", Job.from_env(env), 60)
+        limits = StageLimits((str(pub_tmp / "shared"),), frozenset(), 64 * MiB)
+        res = stage_out(job / "ckpt", pub_tmp / "shared" / user.name / "job_803", Job.from_env(env), 60, limits)
         assert res.status == "none" and "a mount" in res.detail, res
         result: list[StageResult | None] = []
         t = threading.Thread(target=lambda: result.append(run_epilog(env, cfg)))
@@ -162,10 +166,12 @@ def _age(base: Path, key: str, days: float) -> None:
     path.write_text(json.dumps(data))
 
 
-def test_kept_scratch_expires_after_keep_failed(pub_tmp: Path, user: User, capfd: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("enforce", ["none", "loop"])
+def test_kept_scratch_expires_after_keep_failed(pub_tmp: Path, user: User, capfd: pytest.CaptureFixture[str],
+                                                enforce: str) -> None:  # fmt: skip
     base, root = pub_tmp / "scratch", pub_tmp / "shared"
     (root / user.name).mkdir(parents=True)  # root-owned: the user cannot create its run dir
-    cfg = make_cfg(base, root, keep_failed=3 * 86400)
+    cfg = make_cfg(base, root, keep_failed=3 * 86400, enforce=enforce)
     env = user.env("804")
     run_prolog(env, cfg)
     write_ckpt(base / "job_804" / "ckpt", 7, owner=user)
@@ -183,13 +189,14 @@ def test_kept_scratch_expires_after_keep_failed(pub_tmp: Path, user: User, capfd
     err = capfd.readouterr().err
     assert "job 804: kept scratch job_804 expired: kept since" in err and "3.0 days" in err
     assert not (base / "job_804").exists() and entries(base) == {} and graves(base) == []
+    assert not list((base / STATE_DIR).glob("img/*"))  # the image too, with loop
 
 
 def test_an_expired_kept_scratch_is_reaped_in_the_background_by_the_next_hook(pub_tmp: Path, user: User,
                                                                                 other_user: User) -> None:  # fmt: skip
     base, root = pub_tmp / "scratch", pub_tmp / "shared"
     (root / user.name).mkdir(parents=True)
-    cfg = make_cfg(base, root)
+    cfg = make_cfg(base, root, enforce="none")
     run_prolog(user.env("805"), cfg)
     write_ckpt(base / "job_805" / "ckpt", 3, owner=user)
     assert run_epilog(user.env("805"), cfg).status == "failed"  # type: ignore[union-attr]
@@ -202,15 +209,16 @@ def test_an_expired_kept_scratch_is_reaped_in_the_background_by_the_next_hook(pu
     assert entries(base) == {}
 
 
+@pytest.mark.parametrize("enforce", ["none", "loop"])
 @pytest.mark.parametrize("who", ["other user", "same user, a new job"])
 def test_a_reused_job_id_never_gets_the_old_jobs_kept_scratch(pub_tmp: Path, user: User, other_user: User,
-                                                              who: str) -> None:  # fmt: skip
+                                                              who: str, enforce: str) -> None:  # fmt: skip
     """Job 807 of ``user`` was requeued (its epilog saw restart count 1) and its stage-out
     failed. The id then comes back for another job (a controller that lost its state):
     that job starts with an empty scratch, and the old one waits in the graveyard."""
     base, root = pub_tmp / "scratch", pub_tmp / "shared"
     (root / user.name).mkdir(parents=True)
-    cfg = make_cfg(base, root)
+    cfg = make_cfg(base, root, enforce=enforce)
     old = user.env("807", SLURM_JOB_RESTART_COUNT="1")
     run_prolog(old, cfg)
     write_ckpt(base / "job_807" / "ckpt", 5, owner=user)
@@ -218,23 +226,41 @@ def test_a_reused_job_id_never_gets_the_old_jobs_kept_scratch(pub_tmp: Path, use
     newcomer = other_user if who == "other user" else user
     report = run_prolog(newcomer.env("807"), cfg)  # restart count 0: a new job
     assert report is not None and report.scratch
-    assert os.listdir(base / "job_807") == [] and os.stat(base / "job_807").st_uid == newcomer.uid
+    assert set(os.listdir(base / "job_807")) <= {"lost+found"}  # a fresh filesystem, with loop
+    assert os.stat(base / "job_807").st_uid == newcomer.uid
     (grave,) = graves(base)
     kept = entries(base)[GRAVE + grave]
     assert kept["uid"] == user.uid and kept["job"] == "807" and "stage-out failed" in kept["kept"]
-    assert find_latest([base / STATE_DIR / GRAVE_DIR / grave / "ckpt"]) is not None  # not deleted
+    with _opened(base / STATE_DIR / GRAVE_DIR / grave, pub_tmp) as old_scratch:
+        assert find_latest([old_scratch / "ckpt"]) is not None  # not deleted
     assert reap(str(base), cfg.scratch.keep_failed, 60, wait=True)
     assert graves(base) == [grave]  # waits for keep_failed
     run_epilog(newcomer.env("807"), cfg)
     assert set(entries(base)) == {GRAVE + grave}
 
 
-def test_the_next_run_of_a_requeued_job_gets_its_kept_scratch_back(pub_tmp: Path, user: User) -> None:
+@contextlib.contextmanager
+def _opened(grave: Path, pub_tmp: Path) -> Iterator[Path]:
+    """A grave's tree: the dir itself, or an image, mounted read-only for the test."""
+    if grave.is_dir():
+        yield grave
+        return
+    mnt = pub_tmp / "grave-view"
+    mnt.mkdir()
+    sh("mount", "-o", "loop,ro", str(grave), str(mnt))
+    try:
+        yield mnt
+    finally:
+        sh("umount", str(mnt))
+
+
+@pytest.mark.parametrize("enforce", ["none", "loop"])
+def test_the_next_run_of_a_requeued_job_gets_its_kept_scratch_back(pub_tmp: Path, user: User, enforce: str) -> None:
     """The epilog after a requeue sees the restart count the next run will have: that run,
     and only it, adopts the kept scratch."""
     base, root = pub_tmp / "scratch", pub_tmp / "shared"
     (root / user.name).mkdir(parents=True)
-    cfg = make_cfg(base, root)
+    cfg = make_cfg(base, root, enforce=enforce)
     run_prolog(user.env("808"), cfg)
     write_ckpt(base / "job_808" / "ckpt", 9, owner=user)
     assert run_epilog(user.env("808", SLURM_JOB_RESTART_COUNT="1"), cfg).status == "failed"  # type: ignore[union-attr]
@@ -246,11 +272,11 @@ def test_the_next_run_of_a_requeued_job_gets_its_kept_scratch_back(pub_tmp: Path
 
 def test_a_ckpt_scratch_of_1P_no_longer_takes_all_free_space(pub_tmp: Path, user: User, other_user: User) -> None:
     base = pub_tmp / "scratch"
-    cfg = make_cfg(base, headroom=0)
+    cfg = make_cfg(base, headroom=0, enforce="none")
     huge = run_prolog(user.env("809", SLURM_JOB_COMMENT="ckpt_scratch=1P"), cfg)
     assert huge is not None and huge.size == cfg.scratch.default_size and huge.asked == 2**50
     assert any("more than this node could ever reserve" in w for w in huge.warnings)
-    capped = make_cfg(base, max_size=32 * MiB)
+    capped = make_cfg(base, max_size=32 * MiB, enforce="none")
     r = run_prolog(other_user.env("810", SLURM_JOB_COMMENT="ckpt_scratch=1G"), capped)
     assert r is not None and r.size == 32 * MiB and any("scratch.max_size" in w for w in r.warnings)
     for u, j in ((user, "809"), (other_user, "810")):

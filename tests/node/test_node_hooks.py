@@ -33,8 +33,8 @@ def lines_for(base: Path, job_id: str, localid: str = "0") -> list[str]:
                         "SLURM_CKPT_CONFIG": "/dev/null", "SLURM_LOCALID": localid})  # fmt: skip
 
 
-def test_prolog_then_epilog_stages_out_as_the_user(pub_tmp: Path, user: User) -> None:
-    base, root = pub_tmp / "scratch", pub_tmp / "shared"
+def test_prolog_then_epilog_stages_out_as_the_user(pub_tmp: Path, scratch_base: Path, user: User) -> None:
+    base, root = scratch_base, pub_tmp / "shared"
     owned_tree(root / user.name, user)
     cfg = make_cfg(base, root)
     env = user.env("101", SLURM_JOB_COMMENT="ckpt_scratch=8M")
@@ -60,10 +60,11 @@ def test_prolog_then_epilog_stages_out_as_the_user(pub_tmp: Path, user: User) ->
     assert [s for s, _ in list_steps(durable)] == [2]
 
 
-def test_tier_json_names_the_durable_dir_and_up_to_date_is_not_copied(pub_tmp: Path, user: User) -> None:
-    base, custom = pub_tmp / "scratch", pub_tmp / "elsewhere" / "run"
+def test_tier_json_names_the_durable_dir_and_up_to_date_is_not_copied(pub_tmp: Path, scratch_base: Path,
+                                                                      user: User) -> None:  # fmt: skip
+    base, custom = scratch_base, pub_tmp / "elsewhere" / "run"
     owned_tree(custom.parent, user)
-    cfg = make_cfg(base, pub_tmp / "unused-root")
+    cfg = make_cfg(base, pub_tmp / "unused-root", stage_out_roots=(pub_tmp / "elsewhere",))
     env = user.env("102")
     run_prolog(env, cfg)
     ckpt = base / "job_102" / "ckpt"
@@ -77,8 +78,9 @@ def test_tier_json_names_the_durable_dir_and_up_to_date_is_not_copied(pub_tmp: P
     assert not (base / "job_102").exists()
 
 
-def test_failed_stage_out_keeps_scratch_and_reservation_until_a_rerun(pub_tmp: Path, user: User) -> None:
-    base, root = pub_tmp / "scratch", pub_tmp / "shared"
+def test_failed_stage_out_keeps_scratch_and_reservation_until_a_rerun(pub_tmp: Path, scratch_base: Path,
+                                                                     user: User) -> None:  # fmt: skip
+    base, root = scratch_base, pub_tmp / "shared"
     (root / user.name).mkdir(parents=True)  # root-owned: the user cannot create its run dir
     cfg = make_cfg(base, root)
     env = user.env("103")
@@ -94,22 +96,32 @@ def test_failed_stage_out_keeps_scratch_and_reservation_until_a_rerun(pub_tmp: P
     assert not (base / "job_103").exists() and "103" not in ledger(base)
 
 
-def _child_running_as(uid: int, deadline: float) -> int:
-    """The pid of our forked child once it has dropped to ``uid`` (the stage-out child)."""
+def _children_as(uid: int) -> set[int]:
+    """Our live (not zombie) child processes running as ``uid``."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            status = (proc / "status").read_text() if proc.name.isdigit() else ""
+        except OSError:
+            continue
+        if f"\nPPid:\t{os.getpid()}\n" in status and f"\nUid:\t{uid}\t" in status and "\nState:\tZ" not in status:
+            found.add(int(proc.name))
+    return found
+
+
+def _child_running_as(uid: int, deadline: float, before: set[int]) -> int:
+    """The pid of a new child of ours once it has dropped to ``uid`` (the stage-out child);
+    ``before``: children that were there already (a test user's uid may be an earlier one's)."""
     while time.monotonic() < deadline:
-        for proc in Path("/proc").iterdir():
-            try:
-                status = (proc / "status").read_text() if proc.name.isdigit() else ""
-            except OSError:
-                continue
-            if f"\nPPid:\t{os.getpid()}\n" in status and f"\nUid:\t{uid}\t" in status:
-                return int(proc.name)
+        new = _children_as(uid) - before
+        if new:
+            return new.pop()
         time.sleep(0.005)
     raise AssertionError("the stage-out child never appeared")
 
 
-def test_stage_out_past_its_deadline_is_killed_and_scratch_kept(pub_tmp: Path, user: User) -> None:
-    base, root = pub_tmp / "scratch", pub_tmp / "shared"
+def test_stage_out_past_its_deadline_is_killed_and_scratch_kept(pub_tmp: Path, scratch_base: Path, user: User) -> None:
+    base, root = scratch_base, pub_tmp / "shared"
     durable = root / user.name / "job_104"
     owned_tree(root / user.name, user)
     owned_tree(durable, user)
@@ -140,10 +152,11 @@ def test_a_stopped_stage_out_is_not_waited_for(pub_tmp: Path, user: User) -> Non
     write_ckpt(base / "job_105" / "ckpt", 3, owner=user)
     result: list[object] = []
     # The child waits on the durable dir's lock while we stop it there.
+    before = _children_as(user.uid)
     with filelock.FileLock(str(durable / ".lock")):
         t = threading.Thread(target=lambda: result.append(run_epilog(env, cfg)))
         t.start()
-        os.kill(_child_running_as(user.uid, time.monotonic() + 30), signal.SIGSTOP)
+        os.kill(_child_running_as(user.uid, time.monotonic() + 30, before), signal.SIGSTOP)
         t.join(timeout=60)  # hang guard: without the check it would wait 595 s
     res = result[0] if result else None
     assert isinstance(res, StageResult) and res.status == "failed" and "stopped" in res.detail

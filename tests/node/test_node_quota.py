@@ -153,3 +153,45 @@ def test_project_limits_bound_inodes_as_well_as_blocks() -> None:
                                                   f"limit -p bhard={2 * MiB} ihard=5000 77", "/scratch"]  # fmt: skip
     assert limit_argv(ext4, 77, 2 * MiB, 5000) == ["setquota", "-P", "77", "0", "2048", "0", "5000", "/scratch"]
     assert "ihard=0" in limit_argv(xfs, 77, 0)[3]  # clearing removes both limits
+
+
+def test_auto_prefers_a_loop_filesystem(loop_fs: Callable[..., Path], user: User) -> None:
+    """A project quota limits nothing in the init user namespace (see the next test): auto takes loop."""
+    base = loop_fs("xfs", "512M")
+    cfg = make_cfg(base)  # enforce: auto
+    r = run_prolog(user.env("404", SLURM_JOB_COMMENT="ckpt_scratch=16M"), cfg)
+    assert r is not None and r.enforce == "loop" and os.stat(base / "job_404").st_dev != os.stat(base).st_dev
+    run_epilog(user.env("404"), cfg)
+    assert not (base / "job_404").exists()
+
+
+def test_the_epilog_reports_files_whose_project_id_the_user_changed(
+    loop_fs: Callable[..., Path], user: User, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Project ids for real (XFS, the user's own chattr); faked are only the two steps this
+    kernel lacks quota support for: the prjquota mount option and setting the limit."""
+    from slurm_ckpt.node import quota
+
+    base = loop_fs("xfs", "512M")
+    monkeypatch.setattr(quota, "has_project_quota", lambda m: m is not None and m.fstype == "xfs")
+    monkeypatch.setattr(quota, "set_project_limit", lambda *a: None)
+    cfg = make_cfg(base, enforce="quota")
+    r = run_prolog(user.env("405"), cfg)
+    assert r is not None and r.enforce == "quota"
+    job = base / "job_405"
+    user.run("sh", "-c", f"cd {job} && echo a > kept && echo b > escaped && mkdir d && echo c > d/charged")
+    user.run("chattr", "-p", "0", str(job / "escaped"))  # out of every quota
+    user.run("chattr", "-p", "406", str(job / "d"), str(job / "d" / "charged"))  # onto job 406's
+    fd = os.open(job / "kept", os.O_RDONLY)
+    try:
+        assert get_project(fd)[0] == 405
+    finally:
+        os.close(fd)
+    capsys.readouterr()
+    res = run_epilog(user.env("405"), cfg)
+    assert res is not None and not job.exists()
+    found = [x for x in capsys.readouterr().err.splitlines() if "changed the project id" in x]
+    assert len(found) == 1, found
+    assert f"job 405 (user {user.name}) changed the project id of 3 file(s)" in found[0]
+    assert "2 to project 406 (job 406)" in found[0] and "1 to project 0 (no quota)" in found[0]
+    assert "'escaped' (project 0)" in found[0]

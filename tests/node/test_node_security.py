@@ -31,9 +31,9 @@ def fingerprint(path: Path) -> list[tuple[str, int, int, int, int]]:
 
 
 @pytest.fixture
-def site(pub_tmp: Path, user: User, other_user: User) -> dict[str, Path]:
+def site(pub_tmp: Path, scratch_base: Path, user: User, other_user: User) -> dict[str, Path]:
     """Scratch, durable root with both users' dirs, and a victim dir of the other user."""
-    base, root = pub_tmp / "scratch", pub_tmp / "shared"
+    base, root = scratch_base, pub_tmp / "shared"
     owned_tree(root / user.name, user)
     victim = root / other_user.name
     owned_tree(victim, other_user)
@@ -72,15 +72,17 @@ def test_a_checkpoint_whose_file_the_user_cannot_read_is_not_copied(site: dict[s
     step = write_ckpt(job / "ckpt", 1, owner=user)
     # A hardlink to a root-only file with exactly the bytes the manifest wants:
     # as a checkpoint it is perfect, but the user may not read it.
-    data = step / "state.json"
-    site["secret"].write_bytes(data.read_bytes())
+    # (The root-only file lies on the job's own scratch filesystem: a hardlink cannot cross.)
+    data, secret = step / "state.json", job / "root-secret"
+    secret.write_bytes(data.read_bytes())
+    secret.chmod(0o600)
     data.unlink()
-    os.link(site["secret"], data)
+    os.link(secret, data)
     res = epilog(site, user, "12")
     assert res is not None and res.status == "failed" and "Permission denied" in res.detail
     assert list_steps(site["root"] / user.name / "job_12") == []
     assert not list((site["root"] / user.name).rglob("state.json"))
-    assert os.lstat(site["secret"]).st_uid == 0 and stat.S_IMODE(os.lstat(site["secret"]).st_mode) == 0o600
+    assert os.lstat(secret).st_uid == 0 and stat.S_IMODE(os.lstat(secret).st_mode) == 0o600
     assert job.exists()  # kept: its checkpoint could not be staged
 
 
@@ -119,14 +121,16 @@ def test_hostile_tier_json(site: dict[str, Path], user: User) -> None:
             tier_path.write_text(json.dumps(tier))
         res = epilog(site, user, job_id)
         assert res is not None
-        if job_id in ("14", "15"):
-            # Written as the user: the other user's dir and /etc refuse it; scratch kept.
+        if job_id == "14":
+            # Under storage.root, but written as the user: the other user's dir refuses it; scratch kept.
             assert res.status == "failed" and "Permission denied" in res.detail
             assert job.exists()
         else:
-            # Not a usable absolute path: the default durable dir is used.
+            # Outside storage.root (refused), or not a usable absolute path: the default durable dir is used.
             assert res.status == "staged" and str(site["root"] / user.name / f"job_{job_id}") in str(res.path)
             assert not job.exists()
+            if job_id == "15":
+                assert "refused /etc/slurm-ckpt-pwned: not under a stage-out root" in res.detail
     assert not Path("/etc/slurm-ckpt-pwned").exists()
     assert {p: fingerprint(p) for p in before} == before
 
@@ -147,7 +151,7 @@ def test_hostile_job_fields_create_nothing(site: dict[str, Path], user: User, en
     full = user.env("20") | env
     assert run_prolog(full, cfg) is None
     assert run_epilog(full, cfg) is None
-    assert not site["base"].exists() and not Path("/tmp/pwned").exists()
+    assert os.listdir(site["base"]) == [] and not Path("/tmp/pwned").exists()
 
 
 @pytest.mark.parametrize("comment", ["ckpt_scratch=-1G", "ckpt_scratch=" + "9" * 400 + "T",
@@ -204,3 +208,91 @@ def test_a_fifo_at_the_lock_owner_note_does_not_hang_the_stage_out(site: dict[st
     assert res is not None and res.status == "staged" and res.step == 4, res
     assert stat.S_ISFIFO(os.lstat(durable / ".lock.owner").st_mode)  # left as it was
     assert not job.exists()
+
+
+def test_the_job_report_is_roots_and_its_user_may_only_read_it(site: dict[str, Path], user: User) -> None:
+    job = run_job(site, user, "22", SLURM_JOB_COMMENT="ckpt_scratch=lots")  # a warning for the report
+    report = site["base"] / ".slurm-ckpt" / "job_22.json"
+    st = os.lstat(report)
+    assert st.st_uid == 0 and stat.S_IMODE(st.st_mode) & 0o007 == 0
+    # No write access, no chmod, no hardlink: nothing to fill outside the job's limits.
+    for argv in (["chmod", "u+w", str(report)], ["sh", "-c", f"echo x >> {report}"],
+                 ["truncate", "-s", "1G", str(report)], ["ln", str(report), str(job / "link")]):  # fmt: skip
+        p = user.run(*argv, check=False)
+        assert p.returncode != 0, (argv, p)
+    assert os.lstat(report).st_size == st.st_size
+    # The user reads it: the TaskProlog, running as the user, exports the scratch and prints the warning.
+    lines = user.task_prolog("22", site["base"])
+    assert f"export SLURM_CKPT_SCRATCH={job}" in lines
+    assert "print slurm-ckpt: warning: --comment ckpt_scratch='lots' is not a size like 40G; ignored" in lines
+    epilog(site, user, "22")
+    assert not report.exists()
+
+
+def test_without_acls_the_user_reads_a_root_owned_copy_in_scratch(site: dict[str, Path], user: User,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Every filesystem this kernel mounts has POSIX ACLs (its ext4 has no ``noacl``), so the
+    seam is the ACL call itself, failing with the errno such a filesystem gives."""
+    import errno
+
+    from slurm_ckpt.node import report as report_mod
+
+    def no_acls(*args: object) -> None:
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(report_mod.os, "setxattr", no_acls)
+    job = run_job(site, user, "23")
+    report, copy = site["base"] / ".slurm-ckpt" / "job_23.json", job / report_mod.SCRATCH_COPY
+    assert user.run("cat", str(report), check=False).returncode != 0  # root's alone: no ACL
+    st = os.lstat(copy)
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o444)
+    for argv in (["chmod", "u+w", str(copy)], ["sh", "-c", f"echo x >> {copy}"]):
+        assert user.run(*argv, check=False).returncode != 0
+    assert f"export SLURM_CKPT_SCRATCH={job}" in user.task_prolog("23", site["base"])
+    epilog(site, user, "23")
+
+
+@pytest.mark.parametrize("case", ["base is a symlink", "parent owned by the user", "parent group-writable",
+                                  "base world-writable and sticky", "user's symlink in a sticky dir"])  # fmt: skip
+def test_a_scratch_base_that_is_not_roots_alone_is_a_node_fault(pub_tmp: Path, user: User, case: str,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from slurm_ckpt.errors import StorageError
+
+    real = pub_tmp / "real"
+    real.mkdir()
+    link = Path("/tmp") / f"sckt-{user.name}-base"
+    if case == "base is a symlink":
+        base = pub_tmp / "base"
+        base.symlink_to(real)
+    elif case == "parent owned by the user":
+        owned_tree(pub_tmp / "p", user)
+        base = pub_tmp / "p" / "base"
+    elif case == "parent group-writable":
+        (pub_tmp / "p").mkdir(mode=0o775)
+        (pub_tmp / "p").chmod(0o775)
+        base = pub_tmp / "p" / "base"
+    elif case == "base world-writable and sticky":
+        base = real
+        base.chmod(0o1777)
+    else:
+        user.run("ln", "-s", str(real), str(link))
+        base = link / "base"
+    try:
+        cfg = make_cfg(base)
+        for hook in (run_prolog, run_epilog):
+            with pytest.raises(StorageError, match="scratch base unusable"):
+                hook(user.env("24"), cfg)
+        err = capsys.readouterr().err
+        assert err.count("ERROR: node fault (Slurm drains this node): scratch base unusable") == 2, err
+        assert not [p for p in real.rglob("*") if p.name != "base"]  # nothing made in the target
+    finally:
+        link.unlink(missing_ok=True)
+
+
+def test_a_root_owned_symlink_above_the_base_is_followed(pub_tmp: Path, user: User) -> None:
+    (pub_tmp / "nvme").mkdir()
+    (pub_tmp / "local").symlink_to("nvme")  # e.g. /local -> /nvme, made by the admin
+    cfg = make_cfg(pub_tmp / "local" / "slurm-ckpt")
+    report = run_prolog(user.env("25"), cfg)
+    assert report is not None and (pub_tmp / "nvme" / "slurm-ckpt" / "job_25").is_dir()
+    run_epilog(user.env("25"), cfg)

@@ -127,3 +127,46 @@ def test_the_hook_path_imports_neither_torch_nor_the_engine() -> None:
             f"print(sorted(m for m in {heavy!r} if m in sys.modules))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_hook_log_is_roots_alone(hooks: Path, pub_tmp: Path) -> None:
+    log = hooks / "log" / "hooks.log"
+    assert run(hooks / PROLOG.name).returncode == 0
+    st = log.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600)  # it names users, jobs and paths
+    log.chmod(0o644)  # a log an older install left readable
+    assert run(hooks / EPILOG.name).returncode == 0
+    assert log.stat().st_mode & 0o777 == 0o600 and "epilog done" in log.read_text()
+    # A symlink at the log's name is never written through.
+    target = pub_tmp / "elsewhere"
+    target.write_text("")
+    log.unlink()
+    log.symlink_to(target)
+    assert run(hooks / PROLOG.name, "43").returncode == 0
+    assert target.read_text() == "" and target.stat().st_mode & 0o777 == 0o644
+
+
+def test_the_shims_run_slurm_ckpt_from_the_root_dir(hooks: Path, pub_tmp: Path) -> None:
+    """slurmd's working directory is not where a hook should import or read anything from."""
+    fake, where = pub_tmp / "fake-bin", pub_tmp / "cwd-seen"
+    fake.write_text(f'#!/bin/sh\npwd > "{where}"\n')
+    fake.chmod(0o755)
+    write_env(hooks, SLURM_CKPT_BIN=str(fake), SLURM_CKPT_HOOK_LOG=str(hooks / "l"))
+    planted = pub_tmp / "slurmd-cwd"
+    planted.mkdir()
+    for shim in (PROLOG, EPILOG):
+        where.unlink(missing_ok=True)
+        p = subprocess.run([str(hooks / shim.name)], cwd=planted, env={"SLURM_JOB_ID": "7"}, timeout=60)
+        assert p.returncode == 0 and where.read_text() == "/\n"
+
+
+def test_a_scratch_base_not_roots_alone_drains_with_the_reason_logged(hooks: Path, pub_tmp: Path) -> None:
+    (pub_tmp / "real").mkdir()
+    (pub_tmp / "linked").symlink_to(pub_tmp / "real")
+    (pub_tmp / "config.yaml").write_text(f"scratch:\n  base: {pub_tmp}/linked\n")
+    assert run(hooks / PROLOG.name).returncode == 12
+    assert run(hooks / EPILOG.name).returncode == 12
+    log = (hooks / "log" / "hooks.log").read_text()
+    assert log.count(f"ERROR: node fault (Slurm drains this node): scratch base unusable: {pub_tmp}/linked: "
+                     "a symlink") == 2, log  # fmt: skip
+    assert "reported a node fault" in log and not list((pub_tmp / "real").iterdir())

@@ -57,11 +57,16 @@ print("done", flush=True)
 
 
 def install_hooks(d: Path, base: Path, root: Path) -> None:
-    """The README's install step (scripts/install-hooks.sh) into ``d``, with a test config."""
+    """The README's install step (scripts/install-hooks.sh) into ``d``, with a test config.
+
+    The stage-out may write anywhere in the test's workdir (``d``'s parent), where the
+    tests' jobs put their SLURM_CKPT_DIR, as well as under ``root``.
+    """
     config = d.with_name("config.yaml")
     config.write_text(
         f"scratch:\n  base: {base}\n  default_size: 16M\n  min_size: 1M\n  headroom: 64M\n"
         f"  prolog_timeout: 15\n  epilog_timeout: 40\nstorage:\n  root: {root}\n"
+        f"  stage_out_roots: [{root}, {d.parent}]\n"
     )
     subprocess.run(["bash", str(REPO / "scripts" / "install-hooks.sh"), "--dest", str(d),
                     "--bin", str(Path(sys.executable).with_name("slurm-ckpt")), "--config", str(config),
@@ -206,3 +211,81 @@ def test_a_requeued_run_gets_back_the_scratch_its_epilog_kept(slurm_cluster: Clu
     assert (good / "step-000000005").is_dir()
     assert not slurm_cluster.on_node(node, base / f"job_{job.id}").exists()
     assert job.id not in json.loads(ledger.read_text())
+
+
+HOSTILE = """\
+import json, os, sys
+from pathlib import Path
+from slurm_ckpt.store import RunDir
+from slurm_ckpt.store.codec import encode_state
+from slurm_ckpt.store.writer import write_state
+
+scratch = Path(os.environ["SLURM_CKPT_SCRATCH"])
+report = Path(sys.argv[1])
+print(f"scratch {scratch}", flush=True)
+# The prolog's report: readable, but no write, no chmod, no hardlink to fill scratch with.
+print("report readable", json.loads(report.read_text())["scratch"] == str(scratch), flush=True)
+for what, act in (("chmod", lambda: report.chmod(0o644)), ("append", lambda: open(report, "a")),
+                  ("hardlink", lambda: os.link(report, scratch / "mine"))):
+    try:
+        act()
+        print(f"report {what} allowed", flush=True)
+    except OSError as e:
+        print(f"report {what} refused: {e.strerror}", flush=True)
+fast = scratch / "ckpt"
+rd = RunDir(fast)
+enc = encode_state({"step": 7, "blob": os.urandom(1 << 16)})
+rd.commit(7, lambda tmp: write_state(tmp, enc), nbytes=enc.nbytes)
+rd.unlock()
+# The tier file names the node's memory as the durable run dir.
+(fast / "TIER.json").write_text(json.dumps({"durable": sys.argv[2]}))
+print("saved", flush=True)
+"""
+
+
+def test_a_hostile_users_job_under_slurm(slurm_cluster: Cluster, slurm_workdir: Path) -> None:
+    """A job of an ordinary user: the TaskProlog reads root's report for it, the report does
+    not let it grow, and its epilog refuses a TIER.json naming /dev/shm, staging to the default."""
+    import os
+    import pwd
+    import secrets
+
+    name = f"sckt{secrets.token_hex(3)}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", "--user-group", name],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    try:
+        pw = pwd.getpwnam(name)
+        node = slurm_cluster.node_names[0]
+        base = slurm_cluster.scratch / "slurm-ckpt"
+        root = slurm_workdir / "root"
+        hooks = slurm_workdir / "hooks"
+        install_hooks(hooks, base, root)
+        (root / name).mkdir(parents=True)
+        os.chown(root / name, pw.pw_uid, pw.pw_gid)
+        jobdir = slurm_workdir / "job"
+        jobdir.mkdir()
+        os.chown(jobdir, pw.pw_uid, pw.pw_gid)
+        (jobdir / "hostile.py").write_text(HOSTILE)
+        shm = f"/dev/shm/{name}"
+        slurm_cluster.configure({"Prolog": hooks / "slurm-ckpt-prolog", "Epilog": hooks / "slurm-ckpt-epilog",
+                                 "TaskProlog": hooks / "slurm-ckpt-taskprolog", "PrologFlags": "Alloc",
+                                 "PrologEpilogTimeout": 60})  # fmt: skip
+        job = slurm_cluster.sbatch(
+            f'srun {sys.executable} hostile.py "{base}/.slurm-ckpt/job_$SLURM_JOB_ID.json" {shm}\n',
+            f"--uid={name}", f"--gid={name}", workdir=jobdir, name="hostile",
+        )
+        job.wait_state("COMPLETED", timeout=90)
+        log = hooks / "hooks.log"
+        job.wait_for("its epilog", lambda r: f"job {job.id}: INFO: epilog done" in log.read_text(), 60)
+        out = job.output()
+        assert f"scratch {base}/job_{job.id}" in out and "report readable True" in out, out
+        assert "allowed" not in out and out.count("refused") == 3, out
+        staged = root / name / f"job_{job.id}" / "step-000000007"
+        assert staged.is_dir() and staged.stat().st_uid == pw.pw_uid
+        assert not slurm_cluster.on_node(node, shm).exists() and not Path(shm).exists()
+        assert log.stat().st_mode & 0o777 == 0o600 and log.stat().st_uid == 0
+        text = log.read_text()
+        assert f"job {job.id}: WARNING: stage-out: not staging to {shm}: not under a stage-out root" in text
+        assert not slurm_cluster.on_node(node, base / f"job_{job.id}").exists()
+    finally:
+        subprocess.run(["userdel", name], capture_output=True, timeout=60)

@@ -257,6 +257,7 @@ import os, socket, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
 from slurm_ckpt import Checkpointer
+from slurm_ckpt.placement import CrossNode
 
 rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
 dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
@@ -278,7 +279,8 @@ if rank == 1:
         (tmp / "tensors-00000.safetensors").write_bytes(bytes(4096))  # half a shard
         (work / "rank1-inside-save").touch()
         time.sleep(600)
-    ckpt.crossnode.commit(20, stall)
+    assert isinstance(ckpt.placement, CrossNode)
+    ckpt.placement.commit(20, stall)
 else:
     ckpt.save({"w": torch.full((4096,), float(rank + 20))}, step=20)
 print("death: unreachable", flush=True)

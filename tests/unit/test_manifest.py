@@ -47,3 +47,23 @@ def test_a_changed_tensor_entry_fails_the_manifests_own_checksum(tmp_path: Path)
     (tmp_path / MANIFEST).write_bytes(raw.replace(b'"shape": [4]}', b'"shape": [5]}', 1))
     with pytest.raises(CheckpointCorrupt, match="expected manifest_crc32"):
         Manifest.read(tmp_path)
+
+
+def test_the_manifest_and_the_lock_note_name_the_job_as_requeue_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An array task is ``ARRAYJOB_TASK`` everywhere, as the Checkpointer and scontrol spell it."""
+    from slurm_ckpt.store.lock import RunDirLock
+
+    monkeypatch.setenv("SLURM_JOB_ID", "130")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "123")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "4")
+    assert Manifest(step=1, files={}).job_id == "123_4"
+    lock = RunDirLock(tmp_path)
+    lock.acquire()
+    try:
+        assert RunDirLock(tmp_path).holder().endswith(", job 123_4")
+    finally:
+        lock.release()
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID")
+    assert Manifest(step=1, files={}).job_id == "130"

@@ -16,7 +16,12 @@ import torch
 
 from slurm_ckpt import Checkpointer
 from slurm_ckpt.store import RunDir, find_latest, fsutil
+from slurm_ckpt.store.codec import encode_state
+from slurm_ckpt.store.commit import WriteFn, commit
+from slurm_ckpt.store.manifest import MANIFEST
 from slurm_ckpt.store.retention import FOREIGN_TMP_AGE, remove_stale_tmp
+from slurm_ckpt.store.verify import verify_checkpoint
+from slurm_ckpt.store.writer import load_state, write_state
 
 HOST = socket.gethostname().replace("-", "_")
 
@@ -166,6 +171,44 @@ def test_cleanup_spares_a_temp_dir_this_process_is_writing(run_dir: Path) -> Non
     commit(run_dir, 1, write)
     assert seen == [True] and in_flight() == frozenset()
     assert find_latest([run_dir]) is not None
+
+
+def _write_value(value: int) -> WriteFn:
+    return lambda tmp: write_state(tmp, encode_state({"v": value}))
+
+
+def _value(path: Path) -> object:
+    return load_state(path, verify_checkpoint(path))["v"]
+
+
+def test_commit_under_a_name_keeps_a_target_already_there(tmp_path: Path) -> None:
+    """A shard staged again (a retried drain, the epilog after the drain) keeps the first copy."""
+    first = commit(tmp_path, 7, _write_value(1), name="rank-00003", if_exists="keep")
+    again = commit(tmp_path, 7, _write_value(2), name="rank-00003", if_exists="keep")
+    assert first == again == tmp_path / "rank-00003"
+    assert _value(first) == 1
+    assert sorted(os.listdir(tmp_path)) == ["rank-00003"]  # the second copy's temp dir is gone
+    replaced = commit(tmp_path, 7, _write_value(3), name="rank-00003")
+    assert _value(replaced) == 3 and sorted(os.listdir(tmp_path)) == ["rank-00003"]
+
+
+def test_commit_into_a_dir_holding_the_data_keeps_it_when_it_fails(tmp_path: Path) -> None:
+    """An assembly commits the staging dir itself: a failure must not delete the staged data."""
+    stage = tmp_path / ".shards-step-000000005-beefbeef"
+    stage.mkdir()
+    files, tensors = _write_value(5)(stage)
+    (stage / MANIFEST).write_text("half a manifest, left by an assembler that died")
+
+    def failing(_: Path) -> tuple[dict, dict]:
+        raise OSError(errno.EIO, "simulated EIO")
+
+    with pytest.raises(OSError, match="simulated"):
+        commit(tmp_path, 5, failing, into=stage)
+    assert stage.is_dir() and set(files) <= set(os.listdir(stage))
+    assert find_latest([tmp_path]) is None
+    path = commit(tmp_path, 5, lambda _: (files, tensors), into=stage)
+    assert path == tmp_path / "step-000000005" and not stage.exists()
+    assert _value(path) == 5
 
 
 def test_preallocate_reserves_the_space_and_sets_the_length(tmp_path: Path) -> None:

@@ -15,7 +15,8 @@ import pytest
 
 from slurm_ckpt.control import Control, parse_signal
 from slurm_ckpt.errors import ConfigError
-from slurm_ckpt.wrapper.channel import ControlServer, Message, parse_message
+from slurm_ckpt.protocol import Message, parse_message
+from slurm_ckpt.wrapper.channel import ControlServer
 from slurm_ckpt.wrapper.events import Events, parse_event
 from slurm_ckpt.wrapper.proctree import descendants, kill_tree
 

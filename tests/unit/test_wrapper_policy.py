@@ -50,6 +50,49 @@ def test_max_requeues_message_says_what_to_do() -> None:
     assert "--max-requeues is 3" in d.detail and "resubmit" in d.detail
 
 
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"exit_code": 3}, "crashed"),
+        ({"exit_code": 139, "requested": False}, "crashed"),  # a segfault with no request
+        ({"exit_code": 3, "rank": 1}, "crashed"),
+        ({"exit_code": 137, "killed_at_deadline": True}, "requeue"),  # our kill, not a crash
+        ({"exit_code": 130, "cancelled": "SIGINT"}, "cancelled"),
+        ({"exit_code": None}, "requeue"),  # never reaped: no code to pass through
+        ({"exit_code": 0}, "requeue"),
+    ],
+)
+def test_a_command_that_fails_on_its_own_crashed(change: dict[str, object], reason: str) -> None:
+    facts = dataclasses.replace(GOOD, **change)  # type: ignore[arg-type]
+    d = decide_requeue(facts)
+    assert d.reason == reason and d.requeue == (reason == "requeue")
+    assert facts.crashed == (reason == "crashed")
+    if reason == "crashed":
+        assert str(facts.exit_code) in d.detail and not facts.needs_job  # no Slurm query for it
+
+
+def test_a_job_slurm_requeued_itself_is_not_requeued_again() -> None:
+    info = JobInfo(job_id="7", state="RUNNING", restarts=1)
+    assert GOOD.needs_job
+    d = decide_requeue(dataclasses.replace(GOOD, job=info))
+    assert (d.requeue, d.reason) == (False, "already-requeued") and "Restarts=1" in d.detail
+    # Restarts as this run knows them (SLURM_RESTART_COUNT): not a new requeue.
+    assert decide_requeue(dataclasses.replace(GOOD, job=info, restarts=1)).requeue
+    # Only rank 0 asks and acts on it.
+    assert not dataclasses.replace(GOOD, rank=1).needs_job
+    assert decide_requeue(dataclasses.replace(GOOD, job=info, rank=1)).reason == "not-rank-0"
+    assert not dataclasses.replace(GOOD, requested=False).needs_job
+
+
+def test_the_job_state_at_decision_time_can_mean_a_cancel() -> None:
+    now = time.time()
+    scancelled = _job("COMPLETING", started_ago=10, limit=600)
+    d = decide_requeue(dataclasses.replace(GOOD, job=scancelled, now=now))
+    assert (d.requeue, d.reason) == (False, "cancelled") and "before the time limit" in d.detail
+    timed_out = _job("COMPLETING", started_ago=630, limit=600)
+    assert decide_requeue(dataclasses.replace(GOOD, job=timed_out, now=now)).requeue
+
+
 def _job(state: str, *, started_ago: float, limit: int | None) -> JobInfo:
     now = time.time()
     return JobInfo(job_id="7", state=state, start_time=now - started_ago, time_limit=limit,

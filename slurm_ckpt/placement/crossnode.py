@@ -1,8 +1,8 @@
 """Sharded checkpoints across nodes that each have their own node-local scratch.
 
-``dist.py`` commits a sharded checkpoint into one temp dir that every rank
+``Collective`` commits a sharded checkpoint into one temp dir that every rank
 sees. With the prolog's scratch on each node no such dir exists, so when any
-rank has scratch the save goes this way instead (layout: ``store/shards.py``):
+rank has scratch the save goes this way instead (layout: ``store/shards/``):
 
 1. rank 0 picks a ``save_id`` for the save and broadcasts it;
 2. each rank commits its shard on its own node: ``<scratch>/ckpt/rank-K/step-N``
@@ -35,28 +35,25 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .dist import shard_manifest
-from .errors import CheckpointCorrupt, ConfigError, ShardError
-from .store import RunDir, Skipped, iter_valid, note_skip
-from .store import shards as sh
-from .store.commit import WriteFn
-from .store.drainer import Drainer
-from .store.layout import step_dir
-from .store.manifest import Manifest
-from .store.retention import apply_retention, discard_checkpoint
-from .store.tiers import write_tier_file
-from .store.verify import is_committed
-
-if TYPE_CHECKING:
-    from .dist import _Group
+from ..errors import CheckpointCorrupt, ConfigError, ShardError
+from ..ranks import RankGroup
+from ..store import RunDir, Skipped, iter_valid, note_skip
+from ..store import shards as sh
+from ..store.commit import WriteFn
+from ..store.drainer import Drainer
+from ..store.layout import step_dir
+from ..store.manifest import MANIFEST, Manifest
+from ..store.retention import apply_retention, discard_checkpoint
+from ..store.tiers import Tiers, write_tier_file
+from ..store.verify import is_committed
+from .base import Load
+from .collective import load_part
 
 __all__ = ["CrossNode"]
 
 log = logging.getLogger("slurm_ckpt")
-
-Load = Callable[[Path, Manifest], Any]
 
 
 @dataclass(frozen=True)
@@ -70,7 +67,9 @@ class _Item:
 class CrossNode:
     """One rank's side of cross-node sharded checkpoints (see the module docstring)."""
 
-    def __init__(self, group: _Group, durable: RunDir, fast: Path | None, *, keep: int,
+    tiers: Tiers | None = None
+
+    def __init__(self, group: RankGroup, durable: RunDir, fast: Path | None, *, keep: int,
                  lock_timeout: float | None = 0, on_lag: Callable[[float], None] | None = None,
                  drain: bool = True) -> None:  # fmt: skip
         self.group, self.durable, self.keep = group, durable, keep
@@ -94,9 +93,9 @@ class CrossNode:
 
     @classmethod
     def setup(
-        cls, group: _Group, durable: RunDir, fast: Path | None, *, keep: int, **kwargs: Any
+        cls, group: RankGroup, durable: RunDir, fast: Path | None, *, keep: int, **kwargs: Any
     ) -> CrossNode | None:
-        """Collective: a CrossNode when any rank has scratch, else None (``dist.py`` saves then).
+        """Collective: a CrossNode when any rank has scratch, else None (``Collective`` saves then).
 
         ``fast`` is this rank's fast-tier dir (``<scratch>/ckpt``) or None.
         """
@@ -219,11 +218,14 @@ class CrossNode:
         """True once checkpoint ``step`` is committed (every shard) on the durable tier."""
         with self._drainer.cv:
             if step in self._durable:
-                return (step_dir(self.durable.path, step) / "MANIFEST.json").is_file()
+                return (step_dir(self.durable.path, step) / MANIFEST).is_file()
         return is_committed(self.durable.path, step)
 
     def take_error(self) -> BaseException | None:
         return self._drainer.take_error()
+
+    def agree(self, flag: bool) -> bool:
+        return self.group.agree(flag)
 
     def close(self, timeout: float | None = None) -> bool:
         try:
@@ -232,6 +234,7 @@ class CrossNode:
             if self.fast is not None:
                 self.fast.unlock()
             self.durable.unlock()
+            self.group.release()
 
     # -- resume (collective) -----------------------------------------------------
     def _own_shards(self) -> dict[tuple[int, str], sh.LocalShard]:
@@ -246,9 +249,7 @@ class CrossNode:
                     found.setdefault((s.step, s.save_id), s)
         return found
 
-    def load_latest(
-        self, load: Load, skipped: list[Skipped] | None = None
-    ) -> tuple[Any, int, Path] | None:
+    def load_latest(self, load: Load, skipped: list[Skipped] | None) -> tuple[Any, int, Path] | None:
         """(state, step, path) of the newest checkpoint every rank can load, or None."""
         g = self.group
         try:
@@ -289,10 +290,7 @@ class CrossNode:
                 path = shard.path
                 return ("ok", ""), load(path, shard.manifest), path
             path = Path(ref)
-            man = Manifest.read(path)
-            part = shard_manifest(man, self.rank)
-            state = load(path, man) if part is None else load(path / sh.shard_name(self.rank), part)
-            return ("ok", ""), state, path
+            return ("ok", ""), load_part(path, self.rank, load)[0], path
         except ConfigError as e:
             return ("fatal", f"rank {self.rank}: {e}"), None, path
         except (CheckpointCorrupt, OSError, KeyError) as e:
