@@ -110,11 +110,11 @@ def test_the_hook_bench_reports_ratios_to_the_interpreter() -> None:
     p = subprocess.run([sys.executable, str(REPO / "bench" / "hooks.py"), "--reps", "2"], capture_output=True,
                        text=True, timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stderr
-    rows = {line.split()[0]: line.split()[1:] for line in p.stdout.splitlines()[3:6]}
-    assert set(rows) == {"yardstick", "prolog", "epilog"}, p.stdout
+    rows = {" ".join(line.split()[:-4]): line.split()[-4:] for line in p.stdout.splitlines()[3:8]}
+    assert set(rows) == {"yardstick", "prolog none", "epilog none", "prolog loop", "epilog loop"}, p.stdout
     assert rows["yardstick"][2:] == ["1.00", "1.00"]
     assert all(float(x) > 0 for r in rows.values() for x in r), p.stdout
-    assert "target: each hook's wall median at most 2.0x" in p.stdout
+    assert "target (none): each hook's wall median at most 2.0x" in p.stdout
     print(p.stdout)
 
 
