@@ -30,19 +30,28 @@ from .errors import (
 
 if typing.TYPE_CHECKING:
     from .checkpointer import Checkpointer, SaveHandle
+    from .loopstate import ResumableSampler, rng_state, set_rng_state
 
 __version__ = "0.1.0"
 
-_LAZY = ("Checkpointer", "SaveHandle")
+# name -> the module that defines it.
+_LAZY = {
+    "Checkpointer": "checkpointer",
+    "ResumableSampler": "loopstate",
+    "SaveHandle": "checkpointer",
+    "rng_state": "loopstate",
+    "set_rng_state": "loopstate",
+}
 
 
 def __getattr__(name: str) -> typing.Any:
     # Imported on first use: the Checkpointer brings in the engine and the
-    # stores, and the node hooks, which run before every job, never use it.
+    # stores, the loop state brings in torch, and the node hooks, which run
+    # before every job, use neither.
     if name in _LAZY:
-        from . import checkpointer
+        import importlib
 
-        value = getattr(checkpointer, name)
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -59,6 +68,7 @@ __all__ = [
     "LockHeld",
     "NoCheckpoint",
     "NoSpace",
+    "ResumableSampler",
     "SaveHandle",
     "ShardError",
     "SlurmCkptError",
@@ -70,4 +80,6 @@ __all__ = [
     "__version__",
     "load_config",
     "parse_size",
+    "rng_state",
+    "set_rng_state",
 ]

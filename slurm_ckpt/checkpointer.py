@@ -292,6 +292,9 @@ class Checkpointer:
         Checksums are verified as the data is read; a checkpoint that fails is
         skipped with a warning naming the bad file, and the next older one is
         tried. ``loaded_step`` and ``loaded_path`` then say which one was used.
+        Tensors come back as ``torch.load`` gives them: storages shared where
+        they were, offsets, strides, parameters and devices as saved (without
+        ``map_location``, a tensor saved on a GPU goes back to it).
         ``mmap=True`` maps the data files instead of reading them (zero-copy).
 
         ``into``: a state shaped like the saved one, e.g. ``{"model":

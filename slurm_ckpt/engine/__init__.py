@@ -228,26 +228,16 @@ class Engine:
     ) -> Any:
         """The state of a committed checkpoint, read in parallel and verified as read.
 
-        ``into``: a state shaped like the saved one whose tensors are loaded into
-        in place, matched by where they sit in it (see ``reader``).
+        Tensors come back as ``torch.load`` gives them (``store/codec.py``);
+        with ``mmap``, on windows of the mapped files. ``into``: a state shaped
+        like the saved one whose tensors are loaded into, in place where the
+        reader can (see ``reader``), matched by where they sit in it.
         """
-        targets = None
-        if into is not None:
-            with gc_paused():
-                targets = {e.key: e.tensor for e in encode_state(into, allow_pickle=True, prepare=_keep).tensors}
-            # A tensor that matches nothing would silently keep its old values, and a
-            # trainer that relies on into= would train on from them: refuse up front.
-            missing = sorted(set(targets) - set(man.tensors))
-            if missing:
-                raise ValueError(
-                    f"into= holds {len(missing)} tensor(s) that {ckpt} does not, e.g. {missing[0]!r}: "
-                    "pass a state shaped like the saved one (saved as {'model': model.state_dict(), ...}, "
-                    "load with into={'model': model.state_dict()})"
-                )
-        read = functools.partial(read_tensor_file, threads=self.threads, chunk=self.cfg.chunk_size, use_mmap=mmap,
-                                 into=targets)  # fmt: skip
+        if into is not None and mmap:
+            raise ValueError("into= and mmap=True do not mix: mmap maps the file, into= reads into your tensors")
+        read = functools.partial(read_tensor_file, threads=self.threads, chunk=self.cfg.chunk_size, use_mmap=mmap)
         with gc_paused():
-            return load_state(ckpt, man, map_location=map_location, trusted=trusted, read=read)
+            return load_state(ckpt, man, map_location=map_location, trusted=trusted, read=read, into=into)
 
 
 def _contiguous(e: Any) -> Any:

@@ -1,6 +1,6 @@
 """The parallel tensor-file reader: checksum verified in the same pass as the read.
 
-Each large tensor gets a storage of its own (so keeping one tensor does not
+Each large tensor gets a buffer of its own (so keeping one tensor does not
 keep the whole file in memory; small neighbours share one), worker threads
 fill them chunk by chunk with ``O_DIRECT`` reads, and checksum threads
 compute each chunk's crc32 as it lands. The per-chunk crcs are combined in
@@ -17,7 +17,12 @@ saved, which is the usual case; nothing fresh is allocated, so no page has to
 be zeroed, and the caller needs no second copy of the state. Others (small,
 on a GPU, not contiguous) are copied in once the file is verified.
 
-``use_mmap=True`` maps the file instead: tensors are zero-copy views of the
+Every tensor comes back on a storage of its own, as ``torch.load`` gives it:
+offset 0, exactly its size, not resizable. It is a window of the buffer it
+was read into, so the read needs no copy, and nothing can reach the bytes of
+its neighbours in the same buffer.
+
+``use_mmap=True`` maps the file instead: tensors are zero-copy windows of the
 page cache (copy-on-write, so changing them never changes the file). With
 ``verify=True`` every byte is still checksummed once, in parallel.
 
@@ -41,7 +46,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import CheckpointCorrupt, storage_error
-from ..store.codec import torch_dtype
+from ..store.codec import contiguous_strides, torch_dtype
 from ..store.crc import crc32, crc32_combine, crc32_of_chunks, crc_threads
 from ..store.tensorfile import CHECKSUM, FileRecord, read_header
 from .buffers import ALIGN, HUGE, address_of, huge_buffer, memory_view, pool, populate
@@ -209,16 +214,22 @@ def _read(
     chunk: int,
     targets: dict[str, Any],
 ) -> tuple[dict[str, Any], int]:
-    """Read into one storage per region with O_DIRECT: the disk writes straight into the
+    """Read into one buffer per region with O_DIRECT: the disk writes straight into the
     tensors, with no page-cache copy. Regions are read over whole 4 KiB blocks, so a
     block shared by two regions is read twice; only the region's own bytes are checksummed.
     Where O_DIRECT is refused, the same reads go through the page cache. Large
-    ``targets`` are regions of their own, read into the caller's memory."""
+    ``targets`` are regions of their own, read into the caller's memory.
+
+    Each tensor gets a storage of its own that is a window of its region's buffer:
+    offset 0, as large as the tensor, and not resizable, as ``torch.load`` gives
+    it. A large tensor is a region of its own; runs of small ones share a buffer,
+    which stays in memory while any of them does.
+    """
     import torch
 
     order = {e[0]: i for i, e in enumerate(layout)}
     out: dict[str, Any] = {}
-    unaligned: list[tuple[str, Any, Any, list[int]]] = []
+    unaligned: list[tuple[str, int, Any, list[int]]] = []
     items: list[_Item] = []
     fresh: list[tuple[int, int]] = []
     for rb, re, entries in _regions(layout, start):
@@ -231,13 +242,13 @@ def _read(
         store = _storage(hi - lo + ALIGN)
         pad = -store.data_ptr() % ALIGN
         base = store.data_ptr() + pad
-        for key, dtype, shape, begin, end in entries:
+        buffer = store.numpy()
+        for key, dtype, shape, begin, _ in entries:
             off = pad + start + begin - lo
-            raw = store[off : off + end - begin]
             if off % dtype.itemsize:
-                unaligned.append((key, raw, dtype, shape))  # copied once it is read
+                unaligned.append((key, base - pad + off, dtype, shape))  # copied once it is read
             else:
-                out[key] = raw.view(dtype).reshape(shape) if end > begin else torch.empty(shape, dtype=dtype)
+                out[key] = _window(store, buffer, off, dtype, shape)
         for off in range(lo, hi, chunk):
             n = min(chunk, hi - off)
             wb, we = max(off, rb), min(off + n, re)
@@ -303,10 +314,29 @@ def _read(
     if failed:
         raise failed[0]
     crc = crc32_of_chunks(crcs)
-    for key, raw, dtype, shape in unaligned:
+    for key, addr, dtype, shape in unaligned:
         # A writer that did not align offsets to the dtype (ours always does).
-        out[key] = raw.clone().view(dtype).reshape(shape)
+        copy = torch.empty(shape, dtype=dtype)
+        ctypes.memmove(copy.data_ptr(), addr, copy.numel() * copy.element_size())
+        out[key] = copy
     return dict(sorted(out.items(), key=lambda kv: order[kv[0]])), crc
+
+
+def _window(store: Any, buffer: Any, off: int, dtype: Any, shape: list[int]) -> Any:
+    """The tensor at byte ``off`` of the uint8 tensor ``store`` (``buffer``: its numpy view),
+    on a storage of its own (offset 0, its size, not resizable, holding ``store`` alive), as
+    ``torch.load`` gives one."""
+    import torch
+
+    numel = math.prod(shape)
+    if not numel:
+        return torch.empty(0, dtype=dtype).set_(store.untyped_storage()[off:off], 0, shape, contiguous_strides(shape))
+    # frombuffer: one call makes the storage and the tensor (the cheapest way for the
+    # thousands of small ones); set_, not a view, for other shapes, so it has no _base.
+    t = torch.frombuffer(buffer, dtype=dtype, offset=off, count=numel)
+    if len(shape) != 1:
+        t.set_(t.untyped_storage(), 0, shape, contiguous_strides(shape))
+    return t
 
 
 def _items_into(addr: int, rb: int, re: int, chunk: int) -> list[_Item]:
@@ -400,18 +430,24 @@ def _read_exactly(fd: int, path: Path, view: memoryview, off: int, need: int) ->
 def _map(
     fd: int, path: Path, start: int, size: int, layout: list[_Entry], verify: bool, threads: int, chunk: int
 ) -> tuple[dict[str, Any], int]:
+    """Each tensor on a storage of its own that is a window of one private mapping of
+    the file (as ``torch.load(mmap=True)`` gives them): offset 0, its own size, but
+    not resizable; changing one copies its pages, never the file."""
     import torch
 
     mm = _mmap.mmap(fd, size, flags=_mmap.MAP_PRIVATE, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
     with _suppress_unsupported():
         mm.madvise(_mmap.MADV_SEQUENTIAL)
-    base = torch.frombuffer(mm, dtype=torch.uint8)  # holds a reference to mm
+    whole = torch.frombuffer(mm, dtype=torch.uint8)  # holds a reference to mm
     out: dict[str, Any] = {}
     for key, dtype, shape, begin, end in layout:
-        raw = base[start + begin : start + end]
-        if (start + begin) % dtype.itemsize:
-            raw = raw.clone()  # a file from a writer that did not align: copy this one
-        out[key] = raw.view(dtype).reshape(shape)
+        a, b = start + begin, start + end
+        if a % dtype.itemsize:  # a file from a writer that did not align: copy this one
+            t = torch.empty(shape, dtype=dtype)
+            ctypes.memmove(t.data_ptr(), address_of(mm) + a, b - a)
+        else:  # a window keeps the whole mapping alive
+            t = _window(whole, mm, a, dtype, shape)
+        out[key] = t
     crc = 0
     if verify and size > start:
         base_addr = address_of(mm)

@@ -1,16 +1,25 @@
 """State <-> (JSON tree, tensors): the safe encoding of a checkpoint's contents.
 
-A state is nested dicts, lists and tuples of tensors and plain values. Tensors
-leave the tree and go to safetensors-layout data files; everything else becomes
-JSON in ``state.json``. JSON values that JSON cannot say natively are tagged
-objects with a single ``$``-key:
+A state is nested dicts, lists and tuples of tensors and plain values. Tensor
+bytes leave the tree and go to safetensors-layout data files, one entry per
+storage; everything else becomes JSON in ``state.json``. JSON values that JSON
+cannot say natively are tagged objects with a single ``$``-key:
 
 =================  ==========================================================
-``{"$t": key}``     a tensor stored under ``key`` in a data file
-``{"$np": key}``    a numpy array, stored as a tensor
+``{"$t": key}``     a tensor stored whole under ``key`` in a data file: a CPU
+                    tensor that was all of its own storage, contiguous
+``{"$view": {}}``   any other tensor: a view of the storage stored under
+                    ``of``, placed as torch places it (``dtype``, ``shape``,
+                    ``stride``, ``offset`` in elements), with ``device``,
+                    ``requires_grad`` and ``parameter`` when they are set;
+                    ``key`` names the tensor object
+``{"$np": key}``    a numpy array, stored whole as a tensor
 ``{"$tuple": []}``  a tuple
 ``{"$items": []}``  a dict whose keys are not all plain strings (e.g. the int
                     keys of an optimizer state_dict), as ``[key, value]`` pairs
+``{"$odict": []}``  an ``OrderedDict`` (a model's state_dict), as ``[dict, metadata]``:
+                    the dict as above, and its ``_metadata`` (the module versions
+                    ``load_state_dict`` passes on) or null
 ``{"$bytes": b64}`` bytes
 ``{"$float": s}``   ``nan``, ``inf`` or ``-inf``
 ``{"$int": hex}``   an int too big for a JSON number (Python refuses to print
@@ -19,8 +28,13 @@ objects with a single ``$``-key:
 ``{"$pickle": i}``  object ``i`` of ``objects.pkl`` (opt-in, trusted input only)
 =================  ==========================================================
 
-Tensors that are the same view of the same storage (tied weights) are stored
-once and come back as one tensor object, so ties survive a round trip.
+Storages and tensor objects keep the relations ``torch.save`` keeps, so a load
+gives what ``torch.load`` gives: each storage is stored once and whole, and
+comes back as one storage of its own that every tensor saved on it views again
+(tied weights, views of one buffer), at the same offsets and strides; the same
+tensor object at several places comes back as one object. A storage is stored
+as the tensor that covers all of it when there is one (so ``safe_open`` shows
+that tensor), else as its bytes, 1-D.
 """
 
 from __future__ import annotations
@@ -29,13 +43,24 @@ import base64
 import functools
 import math
 import pickle
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UnsafeLoad, UnsupportedValue
 
-__all__ = ["EncodedState", "TensorEntry", "decode_state", "encode_state", "torch_dtype"]
+__all__ = [
+    "EncodedState",
+    "TensorEntry",
+    "decode_state",
+    "encode_state",
+    "is_dtensor",
+    "path_parts",
+    "st_dtype",
+    "tensor_refs",
+    "torch_dtype",
+]
 
 # safetensors' dtype names; F8 types exist in torch >= 2.1.
 _DTYPES = {
@@ -57,7 +82,9 @@ def torch_dtype(name: str) -> Any:
     return getattr(torch, _DTYPES[name])
 
 
+@functools.cache
 def st_dtype(dtype: Any) -> str:
+    """The safetensors dtype name for a torch dtype (:class:`UnsupportedValue` if it has none)."""
     name = str(dtype).removeprefix("torch.")
     try:
         return _TORCH_TO_ST[name]
@@ -65,9 +92,19 @@ def st_dtype(dtype: Any) -> str:
         raise UnsupportedValue(f"tensor dtype {name} cannot be stored; cast it first") from None
 
 
+def contiguous_strides(shape: list[int]) -> list[int]:
+    """The strides torch gives a new contiguous tensor of ``shape``."""
+    out = [0] * len(shape)
+    step = 1
+    for i in range(len(shape) - 1, -1, -1):
+        out[i] = step
+        step *= max(shape[i], 1)
+    return out
+
+
 @dataclass
 class TensorEntry:
-    """A tensor leaving the tree. ``tensor`` is CPU and contiguous."""
+    """One entry of a data file (a tensor, or a storage's bytes). ``tensor`` is CPU and contiguous."""
 
     key: str
     tensor: Any
@@ -86,6 +123,8 @@ class EncodedState:
     tree: Any
     tensors: list[TensorEntry] = field(default_factory=list)
     objects: list[Any] = field(default_factory=list)
+    leaves: dict[str, Any] = field(default_factory=dict)
+    """Every tensor object of the state by its key (views included), as given."""
 
     @property
     def nbytes(self) -> int:
@@ -96,35 +135,116 @@ def _escape(part: str) -> str:
     return part.replace("%", "%25").replace("/", "%2F")
 
 
-def encode_state(
-    state: Any, *, allow_pickle: bool = False, prepare: Callable[[Any], Any] | None = None
-) -> EncodedState:
-    """Split ``state`` into a JSON tree and a list of tensors.
+def path_parts(path: str) -> list[str]:
+    """The keys and indices of a value's ``path`` in the state (``/model/0.weight`` -> model, 0.weight)."""
+    return [p.replace("%2F", "/").replace("%25", "%") for p in path.split("/")[1:]]
 
-    ``prepare`` maps each tensor to the CPU contiguous tensor that will be
-    written (the engine passes its staging copy here); by default tensors are
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing torch.distributed)."""
+    import sys
+
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+@dataclass
+class _Leaf:
+    """A tensor object of the state and the tag object that stands for it in the tree."""
+
+    key: str
+    tensor: Any
+    ref: dict[str, Any]
+    nbytes: int
+    """Of the tensor's storage."""
+
+
+def _is_whole(t: Any, nbytes: int) -> bool:
+    """Whether ``t`` is all of its storage, in order: its bytes are the storage's bytes."""
+    if t.storage_offset() or t.numel() * t.element_size() != nbytes or not t.is_contiguous():
+        return False
+    # is_contiguous() ignores the strides of dims of size 0 and 1; torch.load does not.
+    shape = t.shape
+    return (1 not in shape and 0 not in shape) or list(t.stride()) == contiguous_strides(list(shape))
+
+
+def _plain(t: Any) -> bool:
+    """A tensor ``{"$t": key}`` says all about: a plain CPU tensor that needs no grad."""
+    return type(t) is _torch().Tensor and not t.requires_grad and t.device.type == "cpu"
+
+
+def encode_state(
+    state: Any,
+    *,
+    allow_pickle: bool = False,
+    prepare: Callable[[Any], Any] | None = None,
+    refer: Callable[[Any, str], str] | None = None,
+) -> EncodedState:
+    """Split ``state`` into a JSON tree and a list of data-file entries.
+
+    ``prepare`` maps each entry's tensor to the CPU contiguous tensor that will
+    be written (the engine passes its staging copy here); by default tensors are
     moved to the CPU and made contiguous, copying only when needed.
+
+    ``refer(tensor, path)``, when given, takes every tensor (DTensors and numpy
+    arrays too) instead of the entry list, and returns the key the tree refers
+    to it by: the sharded path (``slurm_ckpt.sharded``) stores them itself.
     """
     out = EncodedState(tree=None)
-    seen: dict[tuple[Any, ...], str] = {}
+    memo: dict[int, dict[str, Any]] = {}  # id(tensor or array) -> its tag object
+    storages: dict[int, list[_Leaf]] = {}  # storage -> the tensors on it, in order
     # safetensors reserves "__metadata__" for its own header entry.
     keys: set[str] = {"__metadata__"}
 
-    def tensor_ref(t: Any, path: str, tag: str) -> dict[str, str]:
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-                 tuple(t.stride()), t.dtype, str(t.device))  # fmt: skip
-        if t.numel() and ident in seen:
-            return {tag: seen[ident]}
+    def new_key(path: str) -> str:
         key = path.lstrip("/") or "."
         while key in keys:
             key += "'"
         keys.add(key)
-        if t.numel():
-            seen[ident] = key
-        dtype = st_dtype(t.dtype)
+        return key
+
+    def entry(key: str, t: Any) -> None:
         data = prepare(t) if prepare else t.detach().to("cpu").contiguous()
-        out.tensors.append(TensorEntry(key, data, dtype, list(t.shape)))
-        return {tag: key}
+        out.tensors.append(TensorEntry(key, data, st_dtype(t.dtype), list(t.shape)))
+
+    def tensor_ref(t: Any, path: str) -> dict[str, Any]:
+        if refer is not None:
+            return {"$t": refer(t, path)}
+        if is_dtensor(t):
+            # Its storage is a wrapper with no data of its own, and its local shard
+            # alone would be saved as if it were the whole tensor.
+            raise UnsupportedValue(
+                f"{path or '/'}: a DTensor (FSDP2, tensor parallel) cannot be saved as a plain "
+                "tensor: save sharded states with slurm_ckpt.sharded.save, or with dcp.save and "
+                "storage_writer=slurm_ckpt.dcp.StorageWriter(run_dir, step=N)"
+            )
+        ref = memo.get(id(t))
+        if ref is None:
+            st_dtype(t.dtype)  # an unstorable dtype fails here, naming it
+            ref = memo[id(t)] = {}
+            storage = t.untyped_storage()
+            leaf = _Leaf(new_key(path), t, ref, int(storage.nbytes()))
+            out.leaves[leaf.key] = t
+            # One group per storage, as torch.save keys them (the storage object,
+            # not its address: two storages over one buffer are saved twice).
+            storages.setdefault(storage._cdata, []).append(leaf)
+        return ref
+
+    def array_ref(a: Any, path: str) -> dict[str, Any]:
+        if refer is not None:
+            return {"$np": refer(a, path)}
+        # Arrays are stored whole, each on its own, as pickle stores them.
+        ref = memo.get(id(a))
+        if ref is None:
+            import numpy as np
+            import torch
+
+            key = new_key(path)
+            t = torch.from_numpy(np.ascontiguousarray(a))
+            out.leaves[key] = t
+            entry(key, t)
+            ref = memo[id(a)] = {"$np": key}
+        return ref
 
     def enc(obj: Any, path: str) -> Any:
         if obj is None or isinstance(obj, (bool, str)):
@@ -142,7 +262,7 @@ def encode_state(
             if isinstance(obj, torch.Tensor):
                 if obj.is_sparse or obj.layout != torch.strided:
                     raise UnsupportedValue(f"{path}: sparse tensors are not supported; call .to_dense()")
-                return tensor_ref(obj, path, "$t")
+                return tensor_ref(obj, path)
             if isinstance(obj, torch.dtype):
                 return {"$dtype": str(obj).removeprefix("torch.")}
             if isinstance(obj, torch.Size):
@@ -151,16 +271,19 @@ def encode_state(
             import numpy as np
 
             if isinstance(obj, np.ndarray) and obj.dtype != object:
-                import torch
-
-                return tensor_ref(torch.from_numpy(np.ascontiguousarray(obj)), path, "$np")
+                return array_ref(obj, path)
             if isinstance(obj, np.generic):
                 return enc(obj.item(), path)
         if isinstance(obj, dict):
             if all(isinstance(k, str) and not k.startswith("$") for k in obj):
-                return {k: enc(v, f"{path}/{_escape(k)}") for k, v in obj.items()}
-            return {"$items": [[enc(k, f"{path}/$key"), enc(v, f"{path}/{_escape(str(k))}")]
-                               for k, v in obj.items()]}  # fmt: skip
+                body: Any = {k: enc(v, f"{path}/{_escape(k)}") for k, v in obj.items()}
+            else:
+                body = {"$items": [[enc(k, f"{path}/$key"), enc(v, f"{path}/{_escape(str(k))}")]
+                                   for k, v in obj.items()]}  # fmt: skip
+            if isinstance(obj, OrderedDict):
+                meta = getattr(obj, "_metadata", None)
+                return {"$odict": [body, None if meta is None else enc(meta, f"{path}/$metadata")]}
+            return body
         if isinstance(obj, list):
             return [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]
         if isinstance(obj, tuple) and type(obj) is tuple:
@@ -176,6 +299,81 @@ def encode_state(
         )
 
     out.tree = enc(state, "")
+    for group in storages.values():
+        _store(group, entry)
+    return out
+
+
+def _store(group: list[_Leaf], entry: Callable[[str, Any], None]) -> None:
+    """Write one storage's entry and fill in the tags of the tensors on it."""
+    first, nbytes = group[0].tensor, group[0].nbytes
+    if len(group) == 1 and _plain(first) and _is_whole(first, nbytes):
+        group[0].ref["$t"] = group[0].key  # the common case: a tensor with its own storage
+        entry(group[0].key, first)
+        return
+    # Stored as the tensor that covers the whole storage, if one does, else as
+    # the storage's bytes, in the dtype of the tensors on it if they agree.
+    whole = next((leaf for leaf in group if _is_whole(leaf.tensor, nbytes)), None)
+    if whole is not None:
+        base, data = whole.key, whole.tensor.detach()
+    else:
+        import torch
+
+        base = group[0].key
+        dtypes = {leaf.tensor.dtype for leaf in group}
+        size = first.element_size()
+        if len(dtypes) == 1 and nbytes % size == 0:
+            # A view op, so the entry shares the tensors' version counter (overlap's guard reads it).
+            data = first.detach().as_strided((nbytes // size,), (1,), 0)
+        else:
+            data = torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+                first.untyped_storage(), 0, (nbytes,), (1,))  # fmt: skip
+    entry(base, data)
+    for leaf in group:
+        t = leaf.tensor
+        if leaf is whole and _plain(t):
+            leaf.ref["$t"] = leaf.key
+            continue
+        view: dict[str, Any] = {"key": leaf.key, "of": base, "dtype": st_dtype(t.dtype), "shape": list(t.shape),
+                                "stride": list(t.stride()), "offset": int(t.storage_offset())}  # fmt: skip
+        if t.device.type != "cpu":
+            view["device"] = str(t.device)
+        if t.requires_grad:
+            view["requires_grad"] = True
+        if isinstance(t, _torch().nn.Parameter):
+            view["parameter"] = True
+        leaf.ref["$view"] = view
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def tensor_refs(tree: Any) -> dict[str, dict[str, Any] | None]:
+    """Every tensor object a tree refers to, by key: its ``$view`` record, or
+    None for one stored whole (``$t``, ``$np``: the data file's header says its
+    dtype and shape)."""
+    out: dict[str, dict[str, Any] | None] = {}
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, list):
+            for v in obj:
+                walk(v)
+        elif isinstance(obj, dict):
+            if len(obj) == 1:
+                (tag, val), = obj.items()
+                if tag in ("$t", "$np"):
+                    out[val] = None
+                    return
+                if tag == "$view":
+                    out[val["key"]] = val
+                    return
+            for v in obj.values():
+                walk(v)
+
+    walk(tree)
     return out
 
 
@@ -185,15 +383,56 @@ def decode_state(
     objects_blob: Callable[[], bytes] | None,
     *,
     trusted: bool = False,
+    restore_device: bool = False,
+    into: Mapping[str, Any] | None = None,
 ) -> Any:
-    """Rebuild a state from its JSON tree; ``load_tensor(key)`` returns a tensor."""
+    """Rebuild a state from its JSON tree; ``load_tensor(key)`` returns a data-file entry.
+
+    ``restore_device``: put tensors saved on a device back on it, as
+    ``torch.load`` does without ``map_location``. ``into``: tensors by key to
+    copy the loaded values into and return instead (those the reader already
+    filled in place come back as they are).
+    """
     tensors: dict[str, Any] = {}
+    views: dict[str, Any] = {}
+    arrays: dict[str, Any] = {}
+    moved: dict[tuple[str, str], Any] = {}
     objects: list[Any] | None = None
+    targets = into or {}
 
     def tensor(key: str) -> Any:
         if key not in tensors:
             tensors[key] = load_tensor(key)
         return tensors[key]
+
+    def filled(key: str, t: Any) -> Any:
+        target = targets.get(key)
+        if target is None or target is t:
+            return t
+        return target.copy_(t)
+
+    def view(rec: dict[str, Any]) -> Any:
+        key = rec["key"]
+        if key not in views:
+            views[key] = filled(key, _rebuild(rec, storage_of(rec)))
+        return views[key]
+
+    def storage_of(rec: dict[str, Any]) -> Any:
+        base = tensor(rec["of"])
+        if not base.is_contiguous():  # an into= tensor copied into, not laid out as the storage
+            base = base.contiguous()
+        device = rec.get("device")
+        # A view copied into an into= tensor stays where it is read: the copy moves it.
+        if restore_device and device is not None and str(base.device) != device and rec["key"] not in targets:
+            if (rec["of"], device) not in moved:
+                moved[rec["of"], device] = _to_device(base, device, rec["key"])
+            base = moved[rec["of"], device]
+        return base
+
+    def array(key: str) -> Any:
+        if key not in arrays:
+            arrays[key] = filled(key, tensor(key)).numpy()
+        return arrays[key]
 
     def dec(obj: Any) -> Any:
         nonlocal objects
@@ -204,13 +443,21 @@ def decode_state(
         if len(obj) == 1:
             (tag, val), = obj.items()
             if tag == "$t":
-                return tensor(val)
+                return filled(val, tensor(val))
+            if tag == "$view":
+                return view(val)
             if tag == "$np":
-                return tensor(val).numpy()
+                return array(val)
             if tag == "$tuple":
                 return tuple(dec(v) for v in val)
             if tag == "$items":
                 return {_hashable(dec(k)): dec(v) for k, v in val}
+            if tag == "$odict":
+                body, meta = val
+                od = OrderedDict(dec(body))
+                if meta is not None:
+                    od._metadata = dec(meta)  # type: ignore[attr-defined]
+                return od
             if tag == "$bytes":
                 return base64.b64decode(val)
             if tag == "$float":
@@ -234,6 +481,40 @@ def decode_state(
         return {k: dec(v) for k, v in obj.items()}
 
     return dec(tree)
+
+
+def _rebuild(rec: dict[str, Any], base: Any) -> Any:
+    """The tensor ``rec`` describes, on the storage of ``base`` (a data-file entry).
+
+    Built as ``torch.load`` builds tensors (an empty tensor ``set_`` to the
+    storage), so it is no view of ``base`` and has no ``_base``.
+    """
+    import torch
+
+    dtype = torch_dtype(rec["dtype"])
+    storage = base.untyped_storage()
+    offset = int(rec["offset"])
+    start = base.storage_offset() * base.element_size()  # an entry inside a mapped file
+    if start:
+        if start % dtype.itemsize:
+            storage, start = base.clone().untyped_storage(), 0
+        offset += start // dtype.itemsize
+    t = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, rec["shape"], rec["stride"])
+    if rec.get("parameter"):
+        return torch.nn.Parameter(t, requires_grad=bool(rec.get("requires_grad")))
+    if rec.get("requires_grad"):
+        t.requires_grad_()
+    return t
+
+
+def _to_device(t: Any, device: str, key: str) -> Any:
+    try:
+        return t.to(device)
+    except (RuntimeError, AssertionError) as e:
+        raise ValueError(
+            f"tensor {key!r} was saved on {device}, which this process cannot use ({e}); "
+            "pass map_location (e.g. map_location='cpu') to load the checkpoint onto another device"
+        ) from None
 
 
 def _hashable(key: Any) -> Any:

@@ -24,10 +24,12 @@ from ..errors import CheckpointCorrupt, storage_error
 from .fsutil import read_small
 from .tensorfile import CHECKSUM, FileRecord
 
-__all__ = ["FORMAT", "MANIFEST", "VERSION", "Manifest"]
+__all__ = ["FORMAT", "MANIFEST", "READS", "VERSION", "Manifest"]
 
 FORMAT = "slurm-ckpt"
-VERSION = 1
+VERSION = 2
+"""Written. 2: ``state.json`` may hold ``$view`` tensors (storages shared, any strides)."""
+READS = (1, 2)
 MANIFEST = "MANIFEST.json"
 MANIFEST_LIMIT = 1 << 30
 """A manifest larger than this is damage, not a checkpoint (and would exhaust memory)."""
@@ -91,10 +93,10 @@ class Manifest:
             doc = json.loads(raw)
             if doc.get("format") != FORMAT:
                 raise ValueError(f"format is {doc.get('format')!r}, not {FORMAT!r}")
-            if doc.get("version") != VERSION:
+            if doc.get("version") not in READS:
                 raise ValueError(
-                    f"format version {doc.get('version')} is not {VERSION}; "
-                    "upgrade slurm-ckpt to read it"
+                    f"format version {doc.get('version')} is not one this slurm-ckpt reads "
+                    f"({', '.join(map(str, READS))}); upgrade slurm-ckpt to read it"
                 )
             if doc.get("checksum") != CHECKSUM:
                 raise ValueError(f"unknown checksum {doc.get('checksum')!r}")

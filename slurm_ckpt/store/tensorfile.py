@@ -158,10 +158,12 @@ def _valid_entry(info: Any) -> bool:
 
 
 def read_tensors(
-    path: Path, expected: FileRecord, *, verify: bool = True, device: Any = None
+    path: Path, expected: FileRecord, *, verify: bool = True, device: Any = None, into: Any = None
 ) -> dict[str, Any]:
     """Read every tensor of a data file in one sequential pass, checking the checksum.
 
+    Each tensor gets a storage of its own (offset 0, its own size). ``into``
+    is not read into here (``load_state`` copies into those tensors afterwards).
     Raises :class:`CheckpointCorrupt` naming the file on a size or checksum mismatch.
     """
     import torch
@@ -182,8 +184,13 @@ def read_tensors(
             )
             for key, info in order:
                 begin, end = info["data_offsets"]
-                t = torch.empty(end - begin, dtype=torch.uint8)
+                try:
+                    t = torch.empty(info["shape"], dtype=torch_dtype(info["dtype"]))
+                except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                    raise CheckpointCorrupt(f"{path}: bad tensor header for {key!r}: {e}", path) from None
                 buf = tensor_bytes(t)
+                if len(buf) != end - begin:
+                    raise CheckpointCorrupt(f"{path}: tensor {key!r} does not fit its shape", path)
                 got = 0
                 while got < len(buf):
                     n = f.readinto(buf[got : got + CHUNK])
@@ -192,8 +199,6 @@ def read_tensors(
                     if verify:
                         crc = crc32(buf[got : got + n], crc)
                     got += n
-                dt = torch_dtype(info["dtype"])
-                t = t.view(dt).reshape(info["shape"]) if end > begin else torch.empty(info["shape"], dtype=dt)
                 out[key] = t if device is None else t.to(device)
     except OSError as e:
         raise storage_error(e, "cannot read data file", path) from e

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointCorrupt, UnsafeLoad, storage_error
-from .codec import EncodedState, decode_state
+from ..errors import CheckpointCorrupt, ConfigError, UnsafeLoad, storage_error
+from .codec import EncodedState, decode_state, encode_state, st_dtype, tensor_refs
 from .fsutil import write_file_durably
 from .manifest import Manifest
 from .tensorfile import FileRecord, read_tensors, write_tensor_file
@@ -36,7 +36,10 @@ STATE_FILE = "state.json"
 OBJECTS_FILE = "objects.pkl"
 
 ReadFn = Callable[..., dict[str, Any]]
-"""``read(path, expected: FileRecord, *, device) -> {key: tensor}``, verifying the checksum."""
+"""``read(path, expected: FileRecord, *, device, into) -> {key: tensor}``, verifying the checksum.
+
+``into`` maps keys to tensors the reader may fill in place (and return);
+``load_state`` copies the values into any it did not."""
 
 
 def tensor_file_name(index: int) -> str:
@@ -86,11 +89,23 @@ def load_state(
     map_location: Any = None,
     trusted: bool = False,
     read: ReadFn = read_tensors,
+    into: Any = None,
 ) -> Any:
     """Read a committed checkpoint, verifying every checksum as the bytes arrive.
 
     ``read`` reads one data file (``slurm_ckpt.engine`` passes its parallel reader).
+    Without ``map_location`` a tensor saved on a device goes back to it, as with
+    ``torch.load``. ``into``: a state shaped like the saved one; its tensors get
+    the saved values and the returned state holds them. A tensor of ``into`` that
+    the checkpoint lacks, or whose dtype or shape differs, is a ``ValueError``
+    before anything is read.
     """
+    if man.extra.get("layout") == "dcp":
+        # Its tensor index holds global shapes and chunks, not whole tensors by file.
+        raise ConfigError(
+            f"{ckpt} is a sharded checkpoint written through slurm_ckpt.dcp: load it with "
+            "slurm_ckpt.sharded.load(run_dir, into=...) or dcp.load with slurm_ckpt.dcp.StorageReader"
+        )
     for small in (STATE_FILE, OBJECTS_FILE):
         rec = man.files.get(small)
         if rec is not None and crc_file(ckpt / small) != rec.checksum:
@@ -99,14 +114,16 @@ def load_state(
         tree = json.loads((ckpt / STATE_FILE).read_bytes())
     except OSError as e:
         raise storage_error(e, "cannot read state", ckpt / STATE_FILE) from e
+    targets, whole = _into_targets(ckpt, man, tree, into)
     by_file: dict[str, list[str]] = {}
     for key, info in man.tensors.items():
         by_file.setdefault(info["file"], []).append(key)
     tensors: dict[str, Any] = {}
-    for fname in by_file:
+    for fname, keys in by_file.items():
         if fname not in man.files:
             raise CheckpointCorrupt(f"{ckpt}: tensor file {fname} not in manifest", ckpt / fname)
-        tensors.update(read(ckpt / fname, man.files[fname], device=map_location))
+        mine = {k: targets[k] for k in keys if k in whole}  # views are filled when decoded
+        tensors.update(read(ckpt / fname, man.files[fname], device=map_location, into=mine))
 
     def load_tensor(key: str) -> Any:
         try:
@@ -119,4 +136,34 @@ def load_state(
             f"{ckpt} holds pickled objects, which can run code when loaded; "
             "pass trusted=True only if you trust who wrote it"
         )
-    return decode_state(tree, load_tensor, lambda: (ckpt / OBJECTS_FILE).read_bytes(), trusted=trusted)
+    return decode_state(tree, load_tensor, lambda: (ckpt / OBJECTS_FILE).read_bytes(), trusted=trusted,
+                        restore_device=map_location is None, into=targets)  # fmt: skip
+
+
+def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict[str, Any], set[str]]:
+    """The tensors of ``into`` by key, each checked against the saved tensor at its place,
+    and the keys of those stored whole (which a reader may fill in place)."""
+    if into is None:
+        return {}, set()
+    # A tensor that matches nothing would silently keep its old values, and a
+    # trainer that relies on into= would train on from them: refuse up front.
+    targets = encode_state(into, allow_pickle=True, prepare=lambda t: t).leaves
+    saved = tensor_refs(tree)
+    missing = sorted(set(targets) - set(saved))
+    if missing:
+        raise ValueError(
+            f"into= holds {len(missing)} tensor(s) that {ckpt} does not, e.g. {missing[0]!r}: "
+            "pass a state shaped like the saved one (saved as {'model': model.state_dict(), ...}, "
+            "load with into={'model': model.state_dict()})"
+        )
+    for key, t in targets.items():
+        view = saved[key]
+        info = view if view is not None else man.tensors.get(key, {})
+        want = (info.get("dtype"), list(info.get("shape", [])))
+        if (st_dtype(t.dtype), list(t.shape)) != want:
+            raise ValueError(
+                f"cannot load {key!r} of {ckpt} into the tensor given for it: the checkpoint holds "
+                f"{want[0]} {want[1]}, the tensor is {t.dtype} {list(t.shape)}; pass a matching state "
+                "or load without into="
+            )
+    return targets, {key for key in targets if saved[key] is None}

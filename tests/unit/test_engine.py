@@ -135,11 +135,11 @@ def test_large_tensors_line_up_with_the_file_and_go_to_disk_in_place(tmp_path: P
     from slurm_ckpt.engine.buffers import aligned_buffer
 
     # Three 1 MiB tensors 64 bytes past a page boundary, as glibc places large
-    # tensors, and a 1 MiB one at another offset that cannot line up with them.
+    # tensors, and a 1 MiB one at another offset that cannot line up with them;
+    # each a storage of its own (a view would save the whole buffer, as torch.save does).
     mem = aligned_buffer(8 << 20)
-    raw = torch.frombuffer(mem, dtype=torch.uint8)
     at = [64, (2 << 20) + 64, (4 << 20) + 64, (6 << 20) + 512]
-    big = [raw[a : a + (1 << 20)].view(torch.float32).normal_() for a in at]
+    big = [torch.frombuffer(mem, dtype=torch.float32, offset=a, count=1 << 18).normal_() for a in at]
     state = {"b": big, "small": torch.randn(10)}
     enc = encode_state(state)
     image = plan_file(enc.tensors)
@@ -181,8 +181,14 @@ def test_offsets_are_dtype_aligned_so_mmap_needs_no_copy(tmp_path: Path) -> None
         size = torch_itemsize(info["dtype"])
         assert info["data_offsets"][0] % size == 0, key
     out = read_tensor_file(path, rec, use_mmap=True)
-    bases = {t.untyped_storage().data_ptr() for t in out.values() if t.numel()}
-    assert len(bases) == 1  # every tensor is a view of the one mapping
+    # Every tensor is a window of the one mapping, in file order, with no copy:
+    # a storage of its own, as torch.load(mmap=True) gives.
+    data = json.loads(path.read_bytes()[8 : 8 + n])
+    first = min(t.data_ptr() - data[k]["data_offsets"][0] for k, t in out.items() if t.numel())
+    for key, t in out.items():
+        assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        if t.numel():
+            assert t.data_ptr() == first + data[key]["data_offsets"][0], key
 
 
 def torch_itemsize(name: str) -> int:
@@ -515,14 +521,14 @@ def test_fast_crc32_is_zlibs_crc32() -> None:
 
 
 def _guarded(nbytes: int, at: int) -> tuple[Any, Any]:
-    """A float32 view of ``nbytes`` at byte ``at`` of a page-aligned buffer filled with
-    a sentinel (0xA5): the bytes around the view show any write that strays out of it."""
+    """A float32 tensor of ``nbytes`` (its own storage) at byte ``at`` of a page-aligned
+    buffer filled with a sentinel (0xA5): the bytes around it show any write that strays out of it."""
     from slurm_ckpt.engine.buffers import aligned_buffer
 
     mem = aligned_buffer(at + nbytes + 3 * 4096)
     raw = torch.frombuffer(mem, dtype=torch.uint8)
     raw.fill_(0xA5)
-    return raw, raw[at : at + nbytes].view(torch.float32)
+    return raw, torch.frombuffer(mem, dtype=torch.float32, offset=at, count=nbytes // 4)
 
 
 @pytest.mark.parametrize(("at", "chunk", "n"), [(64, 1 << 20, (3 << 20) + 12), (64, 8192, (3 << 20) + 12),

@@ -1,0 +1,215 @@
+"""``StorageReader``: DCP's load plugin, reading only what each rank needs, verified.
+
+DCP's planner matches the tensors a rank asks for against the chunks in the
+checkpoint and hands the reader, per piece, the stored chunk and the
+hypercube of it to copy. This reader turns each into byte runs of one file
+(``ranged.runs``) and reads just the blocks those runs touch, each checked
+against its crc32 from the manifest before use (``ranged.RangeReader``).
+
+Given a run dir, it loads the newest checkpoint that passes the quick check
+(manifest, sizes, headers); a damaged block found while reading raises
+:class:`~slurm_ckpt.CheckpointCorrupt` naming the file, and
+:func:`slurm_ckpt.sharded.load` then moves every rank to the next older one.
+All ranks must resolve the same checkpoint; if they do not (one was committed
+while they looked), the load fails rather than mix two.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import storage as _dcp_storage
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from ..config import Config, load_config
+from ..errors import CheckpointCorrupt, ConfigError, NoCheckpoint
+from ..store import Skipped, find_latest, verify_checkpoint
+from ..store.layout import step_dir
+from ..store.manifest import Manifest
+from .index import Stored, is_dcp, metadata_of
+from .ranged import RangeReader, runs
+from .writer import parse_checkpoint_id
+
+__all__ = ["StorageReader", "resolve"]
+
+log = logging.getLogger("slurm_ckpt")
+
+
+def resolve(path: Path, search: Sequence[Path] = ()) -> tuple[Path, Manifest]:
+    """The checkpoint ``path`` names (a ``step-N`` dir, padded or not) or, for a run dir,
+    its newest one that passes the quick check (``search`` adds more run dirs, e.g. scratch)."""
+    parsed = parse_checkpoint_id(path)
+    if parsed is not None:
+        exact = step_dir(parsed[0], parsed[1])
+        if exact.is_dir() or not path.is_dir():
+            return exact, verify_checkpoint(exact, full=False)
+    skipped: list[Skipped] = []
+    cand = find_latest([*search, path], full=False, skipped=skipped)
+    if cand is None:
+        why = "".join(f"; skipped {s.path.name}: {s.reason}" for s in skipped)
+        raise NoCheckpoint(f"no valid checkpoint in {' or '.join(map(str, [*search, path]))}{why}")
+    for s in skipped:  # a newer one passed over is worth a warning, as discovery gives everywhere
+        log.warning("skipping %s: %s", s.path, s.reason)
+    return cand.path, cand.manifest
+
+
+class StorageReader(_dcp_storage.StorageReader):
+    """Loads through ``torch.distributed.checkpoint`` from a slurm-ckpt checkpoint.
+
+    >>> dcp.load(state, storage_reader=StorageReader("/ckpt/run"))            # the newest valid one
+    >>> dcp.load(state, storage_reader=StorageReader("/ckpt/run/step-000000100"))
+
+    At any world size: each rank reads only the blocks holding its part of
+    each tensor, and verifies each block's crc32 before using it.
+    ``bytes_read`` and ``bytes_needed`` count this rank's bytes read and the
+    least it could have read, for the last load; ``reads`` the same by key.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, search: Sequence[str | os.PathLike[str]] = (),
+                 config: Config | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.path = Path(path).absolute() if path is not None else None
+        self.search = [Path(p).absolute() for p in search]
+        self.config = config or load_config()
+        self.checkpoint: Path | None = None
+        """The checkpoint dir the last ``read_metadata`` resolved."""
+        self.manifest: Manifest | None = None
+        self.bytes_read = 0
+        self.bytes_needed = 0
+        self.reads: dict[str, tuple[int, int]] = {}
+        self.load_id = uuid.uuid4().hex
+        self._storage: dict[Any, Stored] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id).absolute()
+        self.checkpoint = self.manifest = None
+        self.load_id = uuid.uuid4().hex
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return str(self.path) if self.path is not None else None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            # DCP asks for rank-local metadata only after the global one failed: ours is
+            # global, so the first error (kept by DCP in its message) is the one to read.
+            raise ConfigError("slurm_ckpt.dcp checkpoints have no rank-local metadata")
+        if self.path is None:
+            raise ConfigError("no checkpoint to read: pass StorageReader(run dir or step dir), or checkpoint_id to dcp.load")
+        ckpt, man = resolve(self.path, self.search)
+        if not is_dcp(man):
+            raise ConfigError(
+                f"{ckpt} was written by Checkpointer.save, not through slurm_ckpt.dcp: load it "
+                "with Checkpointer.load_latest (reading it through DCP comes later)"
+            )
+        metadata = metadata_of(man, str(ckpt))
+        self.checkpoint, self.manifest = ckpt, man
+        self._storage = metadata.storage_data
+        metadata.storage_meta = StorageMeta(checkpoint_id=str(ckpt), load_id=self.load_id)
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._storage = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        import dataclasses
+
+        man = self.manifest
+        return dataclasses.replace(plan, storage_data=(str(self.checkpoint), man.step if man else None,
+                                                       man.time if man else None))  # fmt: skip
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        seen = {p.storage_data for p in plans}
+        if len(seen) > 1:
+            raise ConfigError(
+                "the ranks resolved different checkpoints (" + ", ".join(sorted(str(s[0]) for s in seen)) + "): "
+                "one was committed while they looked; name the checkpoint dir, or load with slurm_ckpt.sharded.load"
+            )
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        assert self.checkpoint is not None and self.manifest is not None, "read_metadata() first"
+        cfg = self.config.engine
+        from ..engine import default_threads
+
+        with RangeReader(self.checkpoint, self.manifest.files, threads=cfg.threads or default_threads()) as rr:
+            jobs: list[Callable[[], None]] = []
+            done: list[Callable[[], None]] = []
+            self.reads = {}
+            for req in plan.items:
+                where = self._storage[req.storage_index]
+                if req.type == LoadItemType.BYTE_IO:
+                    jobs.append(_bytes_job(rr, where, req, planner, done))
+                else:
+                    jobs.append(_tensor_job(rr, where, req, planner, self._chunk_sizes(req), done, self.reads))
+            rr.run_all(jobs)
+            # The planner's own bookkeeping runs here, on the caller's thread.
+            for finish in done:
+                finish()
+            self.bytes_read, self.bytes_needed = rr.bytes_read, rr.bytes_needed
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _chunk_sizes(self, req: ReadItem) -> tuple[torch.dtype, list[int]]:
+        assert self.manifest is not None
+        entry = self.manifest.tensors[req.storage_index.fqn]
+        from ..store.codec import torch_dtype
+
+        for ch in entry["chunks"]:
+            if [int(o) for o in ch["offsets"]] == list(req.storage_index.offset or ()):
+                return torch_dtype(entry["dtype"]), [int(s) for s in ch["sizes"]]
+        raise CheckpointCorrupt(f"{self.checkpoint}: no chunk of {req.storage_index.fqn} at "
+                                f"{list(req.storage_index.offset or ())}", self.checkpoint)  # fmt: skip
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return "://" not in str(checkpoint_id) and Path(checkpoint_id).is_dir()
+
+
+def _bytes_job(rr: RangeReader, where: Stored, req: ReadItem, planner: LoadPlanner,
+               done: list[Callable[[], None]]) -> Callable[[], None]:  # fmt: skip
+    def job() -> None:
+        data = rr.read_bytes(where)
+        done.append(lambda: planner.load_bytes(req, io.BytesIO(data)))
+
+    return job
+
+
+def _tensor_job(rr: RangeReader, where: Stored, req: ReadItem, planner: LoadPlanner, stored: tuple[torch.dtype, list[int]],
+                done: list[Callable[[], None]], reads: dict[str, tuple[int, int]]) -> Callable[[], None]:  # fmt: skip
+    dtype, sizes = stored
+    target = planner.resolve_tensor(req).detach()
+    lengths = list(req.lengths)
+    if list(target.shape) != lengths:
+        raise AssertionError(f"read of {req.storage_index.fqn}: target shape {list(target.shape)} is not {lengths}")
+
+    def job() -> None:
+        want = runs(sizes, list(req.storage_offsets), lengths, dtype.itemsize)
+        # Bytes go straight into the target when it can take them (same dtype, CPU);
+        # else through a tensor of the stored dtype, converted by copy_.
+        direct = target.dtype == dtype and target.device.type == "cpu"
+        dest = target if direct else torch.empty(lengths, dtype=dtype)
+        n = rr.read_into(where, want, dest, sizes=sizes, offsets=list(req.storage_offsets))
+        if not direct:
+            target.copy_(dest)
+
+        def finish() -> None:
+            key = req.storage_index.fqn
+            r, w = reads.get(key, (0, 0))
+            reads[key] = (r + n, w + sum(e - b for b, e in want))
+            planner.commit_tensor(req, target)
+
+        done.append(finish)
+
+    return job

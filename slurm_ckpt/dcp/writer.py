@@ -1,0 +1,380 @@
+"""``StorageWriter``: DCP's save plugin, committing with slurm-ckpt's protocol.
+
+DCP drives a save in four calls; each does its part of our commit:
+
+1. ``prepare_global_plan`` (coordinator): take the run dir's writer lock (which
+   also clears temp dirs left by dead writers), create a ``.tmp-step-N-...``
+   staging dir, and tell every rank its name and its file's name;
+2. ``write_data`` (every rank): write the rank's chunks into one
+   safetensors-layout file in the staging dir with the engine's parallel
+   ``O_DIRECT`` writer, fsync it, and report each chunk's place and block crcs;
+3. ``finish`` (coordinator, only once every rank reported success): commit
+   the staging dir, which already holds the fsynced files, with
+   :func:`~slurm_ckpt.store.commit.commit` (``into=``): the manifest last,
+   fsync, rename to ``step-N``, fsync the run dir; then retention.
+
+A rank that fails or dies before step 3 leaves only the staging dir, which
+discovery never reads and the next writer removes; ``step-N`` appears whole or
+not at all, and the previous checkpoint stays the newest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import storage as _dcp_storage
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.futures import Future
+
+from .._env import job_id
+from ..config import Config, load_config
+from ..errors import ConfigError, SnapshotChanged, storage_error
+from ..store import RunDir
+from ..store.codec import TensorEntry, st_dtype
+from ..store.commit import commit
+from ..store.crc import crc32, crc32_combine, crc_threads
+from ..store.fsutil import remove_tree
+from ..store.layout import step_dir, tmp_dir_for
+from ..store.manifest import MANIFEST
+from ..store.tensorfile import FileRecord
+from ..store.writer import write_small_files
+from .index import LAYOUT, Stored, block_size, chunk_key, index_entries, planner_extra
+
+__all__ = ["StorageWriter", "data_file_name", "parse_checkpoint_id"]
+
+log = logging.getLogger("slurm_ckpt")
+
+_STEP_NAME = re.compile(r"^step-(\d+)$")
+
+
+def data_file_name(rank: int) -> str:
+    return f"dcp-{rank:05d}.safetensors"
+
+
+def parse_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[Path, int] | None:
+    """``(run dir, step)`` for a checkpoint id ending in ``step-N`` (padded or not), else None."""
+    path = Path(checkpoint_id)
+    m = _STEP_NAME.match(path.name)
+    return (path.parent, int(m.group(1))) if m else None
+
+
+@dataclass(frozen=True)
+class _Target:
+    """What the coordinator tells each rank: where to write, and under which name."""
+
+    staging: str
+    file: str
+
+
+@dataclass(frozen=True)
+class _Written:
+    """One item's report to the coordinator (``WriteResult.storage_data``)."""
+
+    stored: Stored
+    record: FileRecord
+    """The whole file's size and crc32 (the same object for every item of one file)."""
+    layout: dict[str, Any] | None
+    """``placements`` and ``mesh`` when the item came from a DTensor."""
+
+
+@dataclass
+class _Pending:
+    run: RunDir
+    staging: Path
+    step: int
+
+
+class StorageWriter(_dcp_storage.StorageWriter):
+    """Saves through ``torch.distributed.checkpoint`` into a slurm-ckpt run dir.
+
+    >>> import torch.distributed.checkpoint as dcp
+    >>> from slurm_ckpt.dcp import StorageWriter
+    >>> dcp.save(state, storage_writer=StorageWriter("/ckpt/run", step=100))
+    >>> # or name the checkpoint, as torchtitan does:
+    >>> dcp.save(state, checkpoint_id="/ckpt/run/step-100", storage_writer=StorageWriter())
+
+    The checkpoint is ``<run_dir>/step-000000100``: committed with fsyncs, the
+    manifest last and an atomic rename; every file and every block of each
+    stored chunk checksummed (``index.py``); written with the engine's ``O_DIRECT``
+    writer. ``keep`` checkpoints are kept (default: the config's
+    ``storage.keep``). ``dcp.async_save`` works with it too.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str] | None = None,
+        *,
+        step: int | None = None,
+        keep: int | None = None,
+        config: Config | None = None,
+        lock_timeout: float | None = 0,
+        files: Mapping[str, bytes] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``files`` (small files the coordinator adds, by name) and ``extra`` (manifest
+        fields) let :mod:`slurm_ckpt.sharded` store the state's plain values beside DCP's."""
+        super().__init__()
+        self.config = config or load_config()
+        self.run_dir = Path(run_dir).absolute() if run_dir is not None else None
+        self.step = step
+        self.keep = self.config.storage.keep if keep is None else keep
+        if self.keep < 1:
+            raise ConfigError("keep must be at least 1")
+        self.lock_timeout = lock_timeout
+        self.files = dict(files or {})
+        self.extra = dict(extra or {})
+        if any(n.startswith("dcp-") or n == MANIFEST or "/" in n for n in self.files):
+            raise ValueError(f"file names {sorted(self.files)} clash with the checkpoint's own")
+        self.rank = 0
+        self.is_coordinator = True
+        self.save_id = uuid.uuid4().hex
+        self.last_committed: Path | None = None
+        self._pending: _Pending | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # dcp.async_save with a process executor sends the writer to a subprocess:
+        # a save in progress (its lock) stays with the process that holds it.
+        state = self.__dict__.copy()
+        state["_pending"] = None
+        return state
+
+    # -------------------------------------------------------------- DCP's calls
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            parsed = parse_checkpoint_id(checkpoint_id)
+            if parsed is None:
+                raise ConfigError(
+                    f"checkpoint_id {str(checkpoint_id)!r} does not end in step-N: name the "
+                    "checkpoint <run dir>/step-<number>, or pass StorageWriter(run_dir, step=N)"
+                )
+            self.run_dir, self.step = parsed[0].absolute(), parsed[1]
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not kwargs.get("use_collectives", True):
+            raise ConfigError("slurm_ckpt.dcp commits one checkpoint for all ranks: call dcp.save with use_collectives=True")
+        if self.run_dir is None or self.step is None:
+            raise ConfigError(
+                "no checkpoint to write: pass StorageWriter(run_dir, step=N), or "
+                "checkpoint_id='<run dir>/step-N' to dcp.save"
+            )
+        if self.step < 0:
+            raise ConfigError(f"step must be >= 0, got {self.step}")
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        assert self.run_dir is not None and self.step is not None
+        self._abandon()  # a save of ours that failed before its commit
+        run = RunDir(self.run_dir, lock_timeout=self.lock_timeout)
+        # One writer per run dir; taking the lock also removes dead writers' temp dirs.
+        run.lock()
+        staging = tmp_dir_for(run.path, step_dir(run.path, self.step).name)
+        try:
+            staging.mkdir(mode=0o755)
+        except OSError as e:
+            run.unlock()
+            raise storage_error(e, "cannot create the staging dir", staging) from e
+        self._pending = _Pending(run, staging, self.step)
+        return [dataclasses.replace(p, storage_data=_Target(str(staging), data_file_name(i)))
+                for i, p in enumerate(plans)]  # fmt: skip
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[_dcp_storage.WriteResult]]:
+        target: _Target = plan.storage_data
+        try:
+            results = self._write_file(Path(target.staging) / target.file, target.file, plan.items, planner)
+        except BaseException:
+            # DCP calls no writer method after a failed write: let go of the run dir now.
+            # (When another rank fails, the coordinator lets go at its next save or close().)
+            if self.is_coordinator:
+                self._abandon()
+            raise
+        fut: Future[list[_dcp_storage.WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[_dcp_storage.WriteResult]]) -> None:
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError("finish() without prepare_global_plan(): DCP called the writer out of order")
+        metadata.version = CURRENT_DCP_VERSION
+        stored: dict[Any, Stored] = {}
+        files: dict[str, FileRecord] = {}
+        layouts: dict[str, dict[str, Any]] = {}
+        for per_rank in results:
+            for wr in per_rank:
+                w: _Written = wr.storage_data
+                stored[wr.index] = w.stored
+                files[w.stored.file] = w.record
+                if w.layout:
+                    layouts[wr.index.fqn] = w.layout
+        metadata.storage_data = stored
+        metadata.storage_meta = self.storage_meta()
+        tensors = index_entries(metadata, stored, layouts)
+        extra = {**self.extra, "layout": LAYOUT,
+                 "dcp": planner_extra(metadata.planner_data, metadata.version)}  # fmt: skip
+
+        def add_small_files(staging: Path) -> tuple[dict[str, FileRecord], dict[str, Any]]:
+            # Every rank fsynced its own file there already; commit() fsyncs the
+            # dir itself before it renames it into place.
+            return {**files, **write_small_files(staging, self.files)}, tensors
+
+        try:
+            path = commit(pending.run.path, pending.step, add_small_files, into=pending.staging,
+                          world_size=len(results), nbytes=sum(r.size for r in files.values()),
+                          job_id=job_id(), extra=extra)  # fmt: skip
+            self.last_committed = path
+            try:
+                pending.run.retain(self.keep, protect=[path])
+            except OSError as e:  # the checkpoint is committed: a failed delete must not fail the save
+                log.warning("checkpoint %d committed, but retention failed: %s", pending.step, e)
+        finally:
+            self._abandon()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return "://" not in str(checkpoint_id) and parse_checkpoint_id(checkpoint_id) is not None
+
+    def storage_meta(self) -> StorageMeta | None:
+        where = step_dir(self.run_dir, self.step) if self.run_dir is not None and self.step is not None else None
+        return StorageMeta(checkpoint_id=str(where) if where else None, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        meta = self.storage_meta()
+        return None if meta is None else meta.checkpoint_id  # type: ignore[return-value]
+
+    # -------------------------------------------------------------- our parts
+
+    def close(self) -> None:
+        """Give up a save that failed before its commit (its staging dir and the lock)."""
+        self._abandon()
+
+    def _abandon(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            remove_tree(pending.staging)
+            pending.run.unlock()
+
+    def _write_file(self, path: Path, name: str, items: list[WriteItem],
+                    planner: SavePlanner) -> list[_dcp_storage.WriteResult]:  # fmt: skip
+        """Write this rank's items into one file; one ``WriteResult`` per item."""
+        from ..engine import default_threads
+        from ..engine.layout import plan_file
+        from ..engine.writer import write_image
+
+        if not items:
+            return []
+        entries: list[TensorEntry] = []
+        by_entry: dict[int, WriteItem] = {}
+        keys: set[str] = {"__metadata__"}
+        layouts = _layouts(planner)
+        for item in items:
+            data: Any = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                raw = bytearray(data.getbuffer())
+                t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            else:
+                t = data.detach().to("cpu").contiguous()  # copies only what is not CPU and contiguous yet
+            key = chunk_key(item.index.fqn, item.index.offset)
+            while key in keys:  # never for DCP's own keys; kept so that no two entries share one
+                key += "'"
+            keys.add(key)
+            e = TensorEntry(key, t, st_dtype(t.dtype), list(t.shape))
+            entries.append(e)
+            by_entry[id(e)] = item
+        image = plan_file(entries)  # puts entries in file order
+        header = image.pieces[0]
+        at = header[1]
+        spans: list[tuple[TensorEntry, int]] = []
+        for e in entries:
+            spans.append((e, at))
+            at += e.nbytes
+        crcs = _block_crcs([e for e, _ in spans])
+        cfg = self.config.engine
+        record = write_image(path, image, threads=cfg.threads or default_threads(), chunk=cfg.chunk_size,
+                             direct=cfg.direct_io)  # fmt: skip
+        # The file's crc as the writer saw the bytes go out, against the block crcs taken
+        # from the same memory before: a tensor changed in between (another thread, an
+        # unfenced async trainer) would leave blocks that can never verify.
+        from ..engine.buffers import memory_view
+
+        whole = crc32(memory_view(*header))
+        for e, _ in spans:
+            for c, n in zip(crcs[id(e)], _block_lengths(e.nbytes, block_size(e.nbytes)), strict=True):
+                whole = crc32_combine(whole, int(c, 16), n)
+        if f"{whole:08x}" != record.checksum:
+            raise SnapshotChanged(
+                f"{path}: a tensor changed while it was being written (the file's crc32 {record.checksum} does "
+                f"not match its blocks' {whole:08x}); nothing was committed. Do not change the state while "
+                "dcp.save runs, or use dcp.async_save, which saves a copy"
+            )
+        out = []
+        for e, off in spans:
+            item = by_entry[id(e)]
+            stored = Stored(name, off, e.nbytes, block_size(e.nbytes), tuple(crcs[id(e)]))
+            layout = layouts.get(item.index.fqn) if item.type != WriteItemType.BYTE_IO else None
+            out.append(_dcp_storage.WriteResult(index=item.index, size_in_bytes=e.nbytes,
+                                                storage_data=_Written(stored, record, layout)))  # fmt: skip
+        return out
+
+
+def _layouts(planner: SavePlanner) -> dict[str, dict[str, Any]]:
+    """``placements`` and ``mesh`` of the DTensors in the planner's state dict, by key.
+
+    Read from the default planner's (flattened) ``state_dict``; a planner
+    without one leaves them out: the chunks alone define the layout on disk.
+    """
+    from torch.distributed.tensor import DTensor
+
+    state = getattr(planner, "state_dict", None)
+    out: dict[str, dict[str, Any]] = {}
+    if isinstance(state, dict):
+        for fqn, obj in state.items():
+            if isinstance(obj, DTensor):
+                out[fqn] = {"placements": [repr(p) for p in obj.placements], "mesh": list(obj.device_mesh.shape)}
+    return out
+
+
+def _block_lengths(n: int, block: int) -> Iterable[int]:
+    if n == 0:
+        return [0]
+    return [min(block, n - i) for i in range(0, n, block)]
+
+
+def _block_crcs(entries: list[TensorEntry]) -> dict[int, list[str]]:
+    """The crc32 of every block of each entry's memory, on a few threads (crc32 releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..engine.buffers import memory_view
+
+    def one(e: TensorEntry) -> list[str]:
+        addr, n = int(e.tensor.data_ptr()), e.nbytes
+        block = block_size(n)
+        if n == 0:
+            return [f"{0:08x}"]
+        return [f"{crc32(memory_view(addr + i, min(block, n - i))):08x}" for i in range(0, n, block)]
+
+    big = [e for e in entries if e.nbytes > 4 * block_size(0)]
+    out: dict[int, list[str]] = {id(e): one(e) for e in entries if e.nbytes <= 4 * block_size(0)}
+    if big:
+        with ThreadPoolExecutor(max_workers=min(crc_threads(), len(big)), thread_name_prefix="slurm-ckpt-crc") as ex:
+            for e, crcs in zip(big, ex.map(one, big), strict=True):
+                out[id(e)] = crcs
+    return out

@@ -1,0 +1,73 @@
+"""Reading one named checkpoint, and the small files that name one, for the integrations.
+
+``Checkpointer.load_latest`` is what a resume wants. A framework also asks for
+a particular checkpoint by a path of its own (Lightning's ``best_model_path``,
+``last.ckpt``): the integrations write a small *pointer* file there that names
+the step, and :func:`load_step` reads that step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..checkpointer import Checkpointer
+from ..errors import NoCheckpoint
+from ..store import Skipped, iter_valid
+from ..store.fsutil import fsync_dir, write_file_durably
+
+__all__ = ["load_step", "read_pointer", "write_pointer"]
+
+_FORMAT = "slurm-ckpt-pointer"
+# A pointer is a few dozen bytes; a real checkpoint file under the same name is
+# far larger, and is not read whole to find out that it is not a pointer.
+_MAX_POINTER = 4096
+
+
+def load_step(ckpt: Checkpointer, step: int, *, trusted: bool = False) -> Any:
+    """The state of checkpoint ``step`` in ``ckpt``'s run dirs (fastest tier first)."""
+    skipped: list[Skipped] = []
+    for cand in iter_valid(ckpt.search_dirs, full=False, skipped=skipped):
+        if cand.step == step:
+            return ckpt.engine.load(cand.path, cand.manifest, trusted=trusted)
+        if cand.step < step:
+            break
+    why = "".join(f"; {s.path} was skipped: {s.reason}" for s in skipped)
+    raise NoCheckpoint(
+        f"checkpoint step {step} is not in {', '.join(map(str, ckpt.search_dirs))} or does not "
+        f"verify{why}. Retention keeps the newest {ckpt.keep} (storage.keep): raise it to keep "
+        "older ones, or resume from the newest valid checkpoint (load_latest)"
+    )
+
+
+def write_pointer(path: Path, step: int, run_dir: Path) -> None:
+    """Make ``path`` a small file naming checkpoint ``step``: written whole, then renamed over."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    body = {"format": _FORMAT, "step": step, "run_dir": str(run_dir)}
+    write_file_durably(tmp, (json.dumps(body) + "\n").encode())
+    # Renamed over the old one, then the directory synced: the name holds the
+    # old pointer or the new one, never a part of either.
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def read_pointer(path: Path) -> int | None:
+    """The step a pointer file names, or None if ``path`` is not one (a torch file, say)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_MAX_POINTER + 1)
+    except (IsADirectoryError, FileNotFoundError):
+        return None
+    if len(head) > _MAX_POINTER:
+        return None
+    try:
+        body = json.loads(head)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(body, dict) or body.get("format") != _FORMAT:
+        return None
+    return int(body["step"])

@@ -1,0 +1,103 @@
+"""Hugging Face Accelerate: ``save_state`` and ``load_state`` that go through the Checkpointer.
+
+::
+
+    from slurm_ckpt import Checkpointer
+    from slurm_ckpt.integrations.accelerate import load_state, save_state
+
+    ckpt = Checkpointer()
+    step = load_state(accelerator, ckpt) or 0        # None on the first run
+    for batch in loader:                             # (skip_first_batches or a stateful loader)
+        ...
+        step += 1
+        if ckpt.preempted or step % 500 == 0:
+            save_state(accelerator, ckpt, step)
+            if ckpt.preempted:
+                break                                # exit 0: slurm-ckpt run requeues
+
+The pair replaces ``accelerator.save_state(dir)`` / ``accelerator.load_state(dir)``.
+Accelerate writes its folder as it always does (models, optimizers,
+schedulers, the GradScaler, every process's RNG states, samplers, stateful
+DataLoaders and ``register_for_checkpointing`` objects) into a staging dir;
+its files are committed, byte for byte, as one checkpoint of the
+Checkpointer (commit protocol, checksums, tiers), and the staging dir is
+removed. ``load_state`` writes the newest checkpoint that verifies back out and
+hands it to ``accelerator.load_state``.
+
+Staging: ``staging=`` if given, else ``$SLURM_CKPT_SCRATCH`` (the job's
+node-local scratch), else the system temp dir. With processes on several
+nodes, pass a ``staging`` dir that all of them see.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from accelerate import Accelerator
+
+from .._env import job_id, scratch_dir
+from ..checkpointer import Checkpointer
+from ..errors import ConfigError
+from ._folder import folder_state, write_folder
+
+__all__ = ["load_state", "save_state"]
+
+
+def _staging(staging: str | Path | None, what: str) -> Path:
+    base = Path(staging) if staging is not None else (scratch_dir() or Path(tempfile.gettempdir()))
+    # The same name on every process: they all write into one folder.
+    return base / f"slurm-ckpt-accelerate-{job_id() or 'local'}-{what}"
+
+
+def save_state(accelerator: Accelerator, ckpt: Checkpointer, step: int, *,
+               staging: str | Path | None = None, **save_kwargs: Any) -> Path | None:  # fmt: skip
+    """``accelerator.save_state``, committed as checkpoint ``step`` of ``ckpt``. Call on every process.
+
+    Returns the committed checkpoint's path on the main process (None on the
+    others). ``save_kwargs`` go to ``accelerator.save_state``.
+    """
+    if accelerator.project_configuration.automatic_checkpoint_naming:
+        raise ConfigError(
+            "save_state with ProjectConfiguration(automatic_checkpoint_naming=True): Accelerate would "
+            "ignore the staging dir and keep its own checkpoints; the Checkpointer names and "
+            "retains them (storage.keep), so turn automatic_checkpoint_naming off"
+        )
+    tmp = _staging(staging, f"save-{step}")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    path = None
+    try:
+        accelerator.save_state(str(tmp), **save_kwargs)
+        accelerator.wait_for_everyone()  # every process's files are in
+        if accelerator.is_main_process:
+            path = ckpt.save(folder_state(tmp), step)
+        accelerator.wait_for_everyone()
+    finally:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def load_state(accelerator: Accelerator, ckpt: Checkpointer, *,
+               staging: str | Path | None = None, **load_kwargs: Any) -> int | None:  # fmt: skip
+    """``accelerator.load_state`` from the newest valid checkpoint of ``ckpt``; its step, or None.
+
+    None (nothing restored) when there is no checkpoint yet. Call on every
+    process; each reads the checkpoint itself. ``load_kwargs`` go to
+    ``accelerator.load_state``.
+    """
+    state = ckpt.load_latest()
+    if state is None:
+        return None
+    tmp = _staging(staging, f"load-rank{accelerator.process_index}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write_folder(state, tmp)
+        accelerator.load_state(str(tmp), **load_kwargs)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ckpt.loaded_step

@@ -1,0 +1,263 @@
+"""PyTorch Lightning: checkpoints through the Checkpointer, and a clean stop when preempted.
+
+::
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from slurm_ckpt.integrations.lightning import PreemptionCallback, SlurmCkptIO, plugins
+
+    io = SlurmCkptIO()
+    trainer = Trainer(plugins=plugins(io),             # SlurmCkptIO + SLURMEnvironment(auto_requeue=False)
+                      callbacks=[PreemptionCallback(), ModelCheckpoint(every_n_train_steps=100)])
+    trainer.fit(model, ckpt_path=io.resume_path())    # None on the first run: starts fresh
+
+and in the batch script ``srun slurm-ckpt run -- python train.py``.
+
+:class:`SlurmCkptIO` stores every checkpoint Lightning saves as a step of the
+Checkpointer (commit protocol, checksums, tiers, optional background saves)
+and leaves at the path Lightning asked for a small *pointer* file naming that
+step, so ``ModelCheckpoint``'s file handling (``save_top_k``, ``save_last``,
+``every_n_train_steps``, version suffixes, ``ckpt_path="last"`` or ``"best"``)
+works as it does with Lightning's own files. A checkpoint's data lives as long
+as retention keeps it (the newest ``storage.keep``): a pointer to a step that
+retention removed fails to load with an error that says so. Weights-only
+checkpoints (``save_weights_only=True``) are exports, not points to resume
+from: they are written as Lightning's own torch files.
+
+:class:`PreemptionCallback` turns ``ckpt.preempted`` (the wrapper's signal)
+into a checkpoint at the next batch boundary, committed before ``fit`` stops,
+and a clean stop; ``slurm-ckpt run`` then requeues the job. Lightning's own
+SLURM requeue must be off (``SLURMEnvironment(auto_requeue=False)``; the
+callback refuses to run with it on): its SIGUSR1 handler checkpoints inside the
+signal handler and calls ``scontrol requeue`` itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+
+from ..checkpointer import Checkpointer, SaveHandle
+from ..errors import ConfigError
+from ..loopstate import rng_state, set_rng_state
+from ._steps import load_step, read_pointer, write_pointer
+
+__all__ = ["PreemptionCallback", "SlurmCkptIO", "plugins"]
+
+log = logging.getLogger("slurm_ckpt")
+
+
+class SlurmCkptIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves and loads through a :class:`Checkpointer`.
+
+    ``ckpt``: the Checkpointer to use; by default one is made on first use
+    with ``distributed=False`` (Lightning saves from global rank 0 only, the
+    whole state). ``async_save``: write in the background
+    (``Checkpointer.save_async``); the pointer file appears once the
+    checkpoint is committed. ``trusted``: allow loading pickled values
+    (a checkpoint saved with ``allow_pickle``, e.g. hyperparameters that are
+    not plain values).
+    """
+
+    def __init__(self, ckpt: Checkpointer | None = None, *, async_save: bool = False,
+                 trusted: bool = False) -> None:  # fmt: skip
+        self._ckpt = ckpt
+        self.async_save = async_save
+        self.trusted = trusted
+        self._pending: list[tuple[SaveHandle, Path]] = []
+        self._resume: tuple[str, Any] | None = None
+        self._torch = TorchCheckpointIO()
+
+    @property
+    def ckpt(self) -> Checkpointer:
+        """The Checkpointer; made on first use, which also installs the signal flag."""
+        if self._ckpt is None:
+            self._ckpt = Checkpointer(distributed=False)
+        return self._ckpt
+
+    def resume_path(self) -> str | None:
+        """What to pass as ``Trainer.fit(ckpt_path=...)``: the newest valid checkpoint, or None.
+
+        The checkpoint is read here, once (verified as it is read, falling back
+        to older ones past a damaged one), and handed to Lightning when ``fit``
+        asks for this path. None, when there is nothing to resume from, makes
+        ``fit`` start fresh: the same call works on the first run and on every
+        requeued one.
+        """
+        state = self.ckpt.load_latest(trusted=self.trusted)
+        if state is None:
+            return None
+        path = str(self.ckpt.loaded_path)
+        self._resume = (path, state)
+        log.info("resuming Lightning from step %s (%s)", self.ckpt.loaded_step, path)
+        return path
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Any | None = None) -> None:  # fmt: skip
+        if storage_options is not None:
+            raise TypeError(
+                "SlurmCkptIO.save_checkpoint takes no storage_options; the Checkpointer's "
+                f"configuration decides where and how it writes (got {storage_options!r})"
+            )
+        if "optimizer_states" not in checkpoint:
+            # save_weights_only: an export, not a state to resume from; keeping it
+            # out of the run dir keeps it from becoming the newest checkpoint.
+            self._torch.save_checkpoint(checkpoint, path)
+            return
+        self._finish_pending()
+        step = int(checkpoint["global_step"])
+        if self.async_save:
+            self._pending.append((self.ckpt.save_async(checkpoint, step), Path(path)))
+        else:
+            self.ckpt.save(checkpoint, step)
+            write_pointer(Path(path), step, self.ckpt.dir)
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:  # fmt: skip
+        self._finish_pending()
+        if self._resume is not None and self._resume[0] == str(path):
+            state: dict[str, Any] = self._resume[1]
+            self._resume = None
+            return state
+        p = Path(path)
+        step = _step_of_dir(p)
+        if step is None:
+            step = read_pointer(p)
+        if step is None:  # a file Lightning wrote itself: read it as Lightning would
+            return self._torch.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        loaded: dict[str, Any] = load_step(self.ckpt, step, trusted=self.trusted)
+        return loaded
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the pointer (or Lightning's own file); retention removes the data."""
+        p = Path(path)
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+
+    def wait(self) -> None:
+        """Wait for background saves to commit, and write their pointers."""
+        self._finish_pending()
+
+    def teardown(self) -> None:
+        self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for handle, path in pending:
+            handle.wait()
+            write_pointer(path, handle.step, self.ckpt.dir)
+
+
+def _step_of_dir(path: Path) -> int | None:
+    """The step of a committed checkpoint directory (what ``resume_path`` returns)."""
+    if not (path / "MANIFEST.json").is_file():
+        return None
+    try:
+        return int(path.name.removeprefix("step-"))
+    except ValueError:
+        return None
+
+
+def plugins(io: SlurmCkptIO | None = None) -> list[Any]:
+    """``Trainer(plugins=...)`` for a job under ``slurm-ckpt run``.
+
+    ``io`` (a :class:`SlurmCkptIO`, made if not given), and under Slurm
+    ``SLURMEnvironment(auto_requeue=False)``, so that Lightning keeps its
+    SLURM rank and node discovery but leaves signals and requeue to the wrapper.
+    """
+    out: list[Any] = [io if io is not None else SlurmCkptIO()]
+    if SLURMEnvironment.detect():
+        out.append(SLURMEnvironment(auto_requeue=False))
+    return out
+
+
+class PreemptionCallback(Callback):
+    """On the wrapper's request, checkpoint at the next batch boundary and stop ``fit``.
+
+    The checkpoint goes through the trainer's :class:`SlurmCkptIO` (required)
+    and is committed before the callback returns; the stop is Lightning's own
+    ``trainer.should_stop``, so ``fit`` returns normally and the script should
+    then exit 0 (check :attr:`stopped`). With several ranks the request is
+    agreed on first, so every rank stops at the same batch. ``filename``: the
+    pointer written for it, in ``trainer.default_root_dir``.
+
+    ``rng=True`` (the default) also puts the random number generators (Python,
+    NumPy, torch, CUDA; see :func:`slurm_ckpt.rng_state`) into every checkpoint
+    the trainer saves, and restores them on resume just before the first
+    batch, after the DataLoader has drawn its seeds, so dropout and other
+    random ops continue the stream of the run that stopped. Lightning alone
+    restores none of them.
+    """
+
+    def __init__(self, filename: str = "preempted.ckpt", *, rng: bool = True) -> None:
+        self.filename = filename
+        self.rng = rng
+        self.stopped = False
+        self.step: int | None = None
+        self._rng_to_restore: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": rng_state()} if self.rng else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.rng and "rng" in state_dict:
+            self._rng_to_restore = state_dict["rng"]
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                             batch_idx: int) -> None:  # fmt: skip
+        # Not in load_state_dict: Lightning restores callbacks before it builds the
+        # DataLoader iterator, which draws its seeds from torch's generator; the
+        # run that saved had drawn them before this point of the epoch.
+        if self._rng_to_restore is not None:
+            set_rng_state(self._rng_to_restore)
+            self._rng_to_restore = None
+
+    @staticmethod
+    def _io(trainer: Trainer) -> SlurmCkptIO:
+        io = trainer.strategy.checkpoint_io
+        # AsyncCheckpointIO and other wrappers keep the real one inside.
+        while not isinstance(io, SlurmCkptIO) and hasattr(io, "checkpoint_io"):
+            io = io.checkpoint_io
+        if not isinstance(io, SlurmCkptIO):
+            raise ConfigError(
+                "PreemptionCallback needs the trainer to save through SlurmCkptIO: pass "
+                "Trainer(plugins=slurm_ckpt.integrations.lightning.plugins(...)); "
+                f"its checkpoint_io is {type(io).__name__}"
+            )
+        return io
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Single-device strategies have no cluster_environment of their own;
+        # the connector holds the one Lightning chose or was given.
+        env = trainer._accelerator_connector.cluster_environment
+        if isinstance(env, SLURMEnvironment) and env.auto_requeue:
+            raise ConfigError(
+                "Lightning's own SLURM requeue is on: its SIGUSR1 handler would checkpoint inside "
+                "the signal handler and requeue the job itself, beside slurm-ckpt run. Pass "
+                "Trainer(plugins=[SLURMEnvironment(auto_requeue=False), ...]), or "
+                "plugins=slurm_ckpt.integrations.lightning.plugins(io)"
+            )
+        # Made now, before Lightning installs its signal handlers at the start of
+        # fit: Lightning then chains SIGTERM to the Checkpointer's flag.
+        _ = self._io(trainer).ckpt
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:  # fmt: skip
+        if self.stopped:
+            return
+        io = self._io(trainer)
+        if not trainer.strategy.reduce_boolean_decision(io.ckpt.preempted, all=False):
+            return
+        path = Path(trainer.default_root_dir) / self.filename
+        trainer.save_checkpoint(path)
+        io.wait()  # committed (and reported to the wrapper) before fit returns
+        self.stopped, self.step = True, trainer.global_step
+        trainer.should_stop = True
+        log.info("checkpointed step %d on request; stopping", trainer.global_step)

@@ -1,0 +1,130 @@
+"""Hugging Face ``transformers.Trainer``: every checkpoint committed by the Checkpointer, resume from the newest valid.
+
+::
+
+    from slurm_ckpt.integrations.transformers import SlurmCkptCallback
+
+    cb = SlurmCkptCallback()
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
+    trainer.train(resume_from_checkpoint=cb.resume_path(args.output_dir))   # None: start fresh
+    if cb.stopped:                                                         # preempted: exit 0
+        sys.exit(0)
+
+and in the batch script ``srun slurm-ckpt run -- python train.py``.
+
+The Trainer writes ``checkpoint-N`` folders as usual (``save_steps``,
+``save_total_limit``); it neither fsyncs them nor marks them complete, and
+``resume_from_checkpoint=True`` takes the highest-numbered one, half-written or
+not. After each save, :class:`SlurmCkptCallback` commits the folder's files,
+byte for byte, as checkpoint ``N`` of the Checkpointer (commit protocol,
+checksums, tiers). :meth:`SlurmCkptCallback.resume_path` writes the newest
+checkpoint that verifies back out as a ``checkpoint-N`` folder and returns its
+path for ``resume_from_checkpoint``; the Trainer then restores the model, the
+optimizer, the scheduler, the scaler, its RNG states, its position in the
+data and its log history from it as from its own.
+
+On the wrapper's signal the callback asks the Trainer to save at the end of
+the current step and to stop; the save is committed before ``train`` returns.
+Because the Trainer's own folders are only a staging copy, ``output_dir`` may
+sit on node-local disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from ..checkpointer import Checkpointer
+from ._folder import folder_state, write_folder
+
+__all__ = ["SlurmCkptCallback"]
+
+log = logging.getLogger("slurm_ckpt")
+
+RESUME_DIR = ".slurm-ckpt-resume"
+
+
+def _agree(flag: bool) -> bool:
+    """True on every rank when it is on any: ranks must stop at the same step."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class SlurmCkptCallback(TrainerCallback):
+    """Commits each Trainer checkpoint through a :class:`Checkpointer`; stops on the wrapper's request.
+
+    ``ckpt``: the Checkpointer; by default one made on first use with
+    ``distributed=False`` (the world's main process commits the folder all
+    processes wrote). ``stopped`` and ``step`` say whether, and at which
+    step, a requested checkpoint ended training.
+    """
+
+    def __init__(self, ckpt: Checkpointer | None = None) -> None:
+        self._ckpt = ckpt
+        self.stopped = False
+        self.step: int | None = None
+        self._stopping = False
+
+    @property
+    def ckpt(self) -> Checkpointer:
+        """The Checkpointer; made on first use, which also installs the signal flag."""
+        if self._ckpt is None:
+            self._ckpt = Checkpointer(distributed=False)
+        return self._ckpt
+
+    def resume_path(self, output_dir: str | Path) -> str | None:
+        """What to pass as ``Trainer.train(resume_from_checkpoint=...)``: the newest valid checkpoint.
+
+        Its files are written to ``<output_dir>/.slurm-ckpt-resume/rank-R/checkpoint-N``
+        (what was there is removed) and that path is returned; None when there
+        is nothing to resume from, which makes ``train`` start fresh. Call it
+        on every process.
+        """
+        state = self.ckpt.load_latest()
+        if state is None:
+            return None
+        root = Path(output_dir) / RESUME_DIR / f"rank-{self.ckpt.rank}"
+        shutil.rmtree(root, ignore_errors=True)
+        dest = root / f"checkpoint-{self.ckpt.loaded_step}"
+        write_folder(state, dest)
+        log.info("resuming the Trainer from step %s (%s)", self.ckpt.loaded_step, self.ckpt.loaded_path)
+        return str(dest)
+
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:  # fmt: skip
+        _ = self.ckpt  # the signal flag is listening from here on
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:  # fmt: skip
+        if not self._stopping and _agree(self.ckpt.preempted):
+            self._stopping = True
+            control.should_save = True
+            control.should_training_stop = True
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                **kwargs: Any) -> None:  # fmt: skip
+        folder = Path(args.output_dir or "trainer_output") / f"checkpoint-{state.global_step}"
+        _barrier()  # every process has written its part (its RNG file)
+        if state.is_world_process_zero:
+            self.ckpt.save(folder_state(folder), step=state.global_step)
+        _barrier()
+        if self._stopping:
+            self.stopped, self.step = True, state.global_step
+            log.info("checkpointed step %d on request; stopping", state.global_step)

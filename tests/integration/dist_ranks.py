@@ -1,0 +1,81 @@
+"""Run a function on N real processes joined by torch.distributed (gloo over loopback).
+
+``launch(world, "tests.integration.test_x:_worker", args)`` starts ``world``
+processes (this module is their entry point), each of which joins the group,
+calls ``_worker(rank, world, args)`` and writes its JSON result; it returns
+the results by rank, or fails naming the rank and its output.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(world: int, target: str, args: dict[str, Any], out_dir: Path, **popen: Any) -> list[subprocess.Popen[str]]:
+    """Start the ranks; each writes ``out_dir/rank-N.json`` when its function returns."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")  # several ranks share few cores
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.STDOUT)
+    def cmd(r: int) -> list[str]:
+        return [sys.executable, "-m", "tests.integration.dist_ranks", target, str(r), str(world), str(port),
+                json.dumps(args), str(out_dir / f"rank-{r}.json")]  # fmt: skip
+
+    return [subprocess.Popen(cmd(r), cwd=ROOT, env=env, text=True, **popen) for r in range(world)]
+
+
+def launch(world: int, target: str, args: dict[str, Any], out_dir: Path, *, timeout: float = 600) -> list[Any]:
+    """Run ``target`` on ``world`` ranks and return their results by rank."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    procs = start(world, target, args, out_dir)
+    outputs: list[str] = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outputs.append(out or "")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} of {world} failed (exit {p.returncode}):\n{outputs[r][-6000:]}"
+    return [json.loads((out_dir / f"rank-{r}.json").read_text()) for r in range(world)]
+
+
+def _main(target: str, rank: int, world: int, port: int, args: str, out: str) -> None:
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", category=UserWarning)  # DCP and FSDP speak up on every call
+    sys.path.insert(0, str(Path(__file__).parent))  # as pytest does: test modules import their neighbours
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    module, name = target.split(":")
+    try:
+        result = getattr(importlib.import_module(module), name)(rank, world, json.loads(args))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    Path(out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])

@@ -1,0 +1,162 @@
+"""slurm_ckpt.integrations.lightning with a real Lightning Trainer (CPU), in this process.
+
+Resuming (which restores generators from a loaded checkpoint) runs in a
+process of its own in ``test_frameworks_resume.py``; these tests cover the
+plugin's saving, pointers, loading by path, and the preemption stop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lightning.pytorch")
+
+import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from slurm_ckpt import Checkpointer, ConfigError
+from slurm_ckpt.integrations._steps import read_pointer
+from slurm_ckpt.integrations.lightning import PreemptionCallback, SlurmCkptIO
+
+
+class Tiny(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x).squeeze(1), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _loader() -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1)), batch_size=4)
+
+
+def _trainer(tmp_path: Path, io: SlurmCkptIO, callbacks: list[Callback], steps: int, **kw: Any) -> Trainer:
+    return Trainer(max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   default_root_dir=tmp_path, plugins=[io], callbacks=callbacks, **kw)  # fmt: skip
+
+
+@pytest.fixture
+def io(tmp_path: Path) -> SlurmCkptIO:
+    return SlurmCkptIO(Checkpointer(tmp_path / "run", scratch=False, keep=10))
+
+
+def _steps(run: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("step-")) for p in run.glob("step-*"))
+
+
+def test_first_fit_starts_fresh_and_model_checkpoint_options_keep_working(tmp_path: Path, io: SlurmCkptIO) -> None:
+    """every_n_train_steps, save_top_k with a monitor, save_last: Lightning's files are pointers."""
+    assert io.resume_path() is None  # the first run: nothing to resume, fit starts fresh
+    mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=2,
+                         monitor="train_loss", save_last=True)  # fmt: skip
+    trainer = _trainer(tmp_path, io, [PreemptionCallback(), mc], steps=12)
+    trainer.fit(Tiny(), _loader(), ckpt_path=None)
+
+    assert _steps(tmp_path / "run") == [4, 8, 12]
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert len(names) == 3 and "last.ckpt" in names  # top-2 plus last; the third was removed
+    assert read_pointer(tmp_path / "ckpt" / "last.ckpt") == 12
+    best = Path(mc.best_model_path)
+    step = read_pointer(best)
+    assert step in (4, 8, 12) and f"step={step}" in best.name
+    loaded = io.load_checkpoint(best)
+    assert loaded["global_step"] == step
+    assert set(loaded["state_dict"]) == {"net.weight", "net.bias"}
+    assert io.load_checkpoint(str(io.ckpt.latest()))["global_step"] == 12
+
+
+def test_signal_checkpoints_at_the_next_batch_and_stops_fit(tmp_path: Path, io: SlurmCkptIO,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A real SIGUSR1 mid-epoch: committed, reported to the wrapper, fit returns early."""
+    control = tmp_path / "control.log"  # a plain file receives the wrapper protocol's lines
+    monkeypatch.setenv("SLURM_CKPT_CONTROL", str(control))
+    io = SlurmCkptIO(Checkpointer(tmp_path / "run", scratch=False))
+
+    class SignalAt(Callback):
+        def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+            if trainer.global_step == 5:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    preempt = PreemptionCallback()
+    trainer = _trainer(tmp_path, io, [SignalAt(), preempt], steps=40)
+    trainer.fit(Tiny(), _loader(), ckpt_path=io.resume_path())
+
+    assert preempt.stopped and preempt.step == 5 and trainer.global_step == 5
+    assert _steps(tmp_path / "run") == [5]
+    assert read_pointer(tmp_path / "preempted.ckpt") == 5
+    assert f"committed 5 {tmp_path / 'run' / 'step-000000005'}" in control.read_text()
+    state = io.load_checkpoint(str(tmp_path / "run" / "step-000000005"))
+    assert state["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"] == 5
+    assert "rng" in state["callbacks"]["PreemptionCallback"]
+
+
+def test_lightning_own_slurm_requeue_is_refused(tmp_path: Path, io: SlurmCkptIO,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    for k, v in {"SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+                 "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "7"}.items():  # fmt: skip
+        monkeypatch.setenv(k, v)
+    trainer = Trainer(max_steps=2, logger=False, enable_progress_bar=False, default_root_dir=tmp_path,
+                      plugins=[io, SLURMEnvironment(auto_requeue=True)], callbacks=[PreemptionCallback()])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"auto_requeue=False"):
+        trainer.fit(Tiny(), _loader())
+    assert _steps(tmp_path / "run") == []
+
+
+def test_preemption_callback_needs_the_plugin(tmp_path: Path) -> None:
+    trainer = Trainer(max_steps=2, logger=False, enable_progress_bar=False, default_root_dir=tmp_path,
+                      callbacks=[PreemptionCallback()])  # fmt: skip
+    with pytest.raises(ConfigError, match="SlurmCkptIO"):
+        trainer.fit(Tiny(), _loader())
+
+
+def test_weights_only_export_is_lightning_file_not_a_resume_point(tmp_path: Path, io: SlurmCkptIO) -> None:
+    mc = ModelCheckpoint(dirpath=tmp_path / "export", every_n_train_steps=3, save_weights_only=True)
+    trainer = _trainer(tmp_path, io, [mc], steps=6)
+    trainer.fit(Tiny(), _loader())
+    assert _steps(tmp_path / "run") == []
+    (export,) = (tmp_path / "export").iterdir()
+    assert read_pointer(export) is None
+    assert set(io.load_checkpoint(export)["state_dict"]) == {"net.weight", "net.bias"}
+
+
+def test_async_save_commits_and_writes_pointers_by_teardown(tmp_path: Path, io: SlurmCkptIO) -> None:
+    io = SlurmCkptIO(Checkpointer(tmp_path / "run", scratch=False, keep=10), async_save=True)
+    mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    trainer = _trainer(tmp_path, io, [mc], steps=9)
+    model = Tiny()
+    trainer.fit(model, _loader())
+    assert _steps(tmp_path / "run") == [3, 6, 9]
+    assert sorted(read_pointer(p) for p in (tmp_path / "ckpt").iterdir()) == [3, 6, 9]
+    saved = io.load_checkpoint(tmp_path / "ckpt" / "epoch=0-step=9.ckpt")["state_dict"]
+    assert torch.equal(saved["net.weight"], model.net.weight.detach())
+
+
+def test_lightning_hpc_resume_fails_on_the_first_run_where_resume_path_starts_fresh(
+    tmp_path: Path, io: SlurmCkptIO
+) -> None:
+    """Lightning's own ckpt_path="hpc" (its SLURM resume) raises when no HPC checkpoint exists yet."""
+    with pytest.raises(ValueError, match="no HPC checkpoint was found"):
+        _trainer(tmp_path, SlurmCkptIO(Checkpointer(tmp_path / "other", scratch=False)), [], 2).fit(
+            Tiny(), _loader(), ckpt_path="hpc"
+        )
+    trainer = _trainer(tmp_path, io, [PreemptionCallback()], steps=2)
+    trainer.fit(Tiny(), _loader(), ckpt_path=io.resume_path())
+    assert trainer.global_step == 2

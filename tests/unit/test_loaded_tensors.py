@@ -1,0 +1,230 @@
+"""Storages and views in the format: what each reader gives back, ``into=``, devices, format 1.
+
+``tests/compat/`` holds loaded states to ``torch.load``'s through the torch calls
+trainers make; these tests pin the parts underneath: every reader (the engine's,
+its mmap, the reference one) lays tensors out as ``torch.load`` does, the data
+files stay plain safetensors, ``into=`` fills views and tied weights in place,
+a tensor saved on a device goes back there, and format-1 checkpoints still load.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from slurm_ckpt import Checkpointer
+from slurm_ckpt.engine import Engine
+from slurm_ckpt.errors import CheckpointCorrupt
+from slurm_ckpt.store.codec import encode_state
+from slurm_ckpt.store.commit import commit
+from slurm_ckpt.store.manifest import MANIFEST, Manifest
+from slurm_ckpt.store.verify import verify_checkpoint
+from slurm_ckpt.store.writer import load_state, write_state
+from tests.compat.cases import layout
+from tests.unit.format1_state import format1_state
+
+torch = pytest.importorskip("torch")
+
+DATA = Path(__file__).parent / "data"
+
+
+def views_state() -> dict[str, Any]:
+    """Storages shared and not, views at offsets, strides, a large tensor and its view."""
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randn(64, generator=g)
+    big = torch.randn(1 << 19, generator=g)  # 2 MiB: the reader's large-tensor path
+    mat = torch.randn(5, 6, generator=g)
+    w = torch.randn(8, 4, generator=g)
+    return {
+        "buf": buf, "head": buf[:10], "odd": buf[1::2],
+        "big": big, "big_rows": big.view(512, 1024)[100:200],
+        "t": mat.t(), "row": mat[2],  # mat itself is not in the state: stored whole anyway
+        "tied": {"a": w, "b": w.detach()},  # two tensor objects on one storage
+        "rng": torch.get_rng_state(), "small": [torch.full((k,), float(k)) for k in range(1, 20)],
+        "param": torch.nn.Parameter(torch.randn(3, generator=g)),
+    }  # fmt: skip
+
+
+def torch_loaded(state: Any, tmp_path: Path) -> Any:
+    torch.save(state, tmp_path / "ref.pt")
+    return torch.load(tmp_path / "ref.pt", weights_only=True)
+
+
+def saved(state: Any, tmp_path: Path) -> tuple[Path, Manifest]:
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        path = ck.save(state, step=1)
+    return path, verify_checkpoint(path)
+
+
+@pytest.mark.parametrize("reader", ["engine", "engine mmap", "reference"])
+def test_every_reader_lays_tensors_out_as_torch_load_does(tmp_path: Path, reader: str) -> None:
+    state = views_state()
+    path, man = saved(state, tmp_path)
+    if reader == "reference":
+        got = load_state(path, man)
+    else:
+        got = Engine().load(path, man, mmap=reader == "engine mmap")
+    assert layout(got) == layout(torch_loaded(state, tmp_path))
+    if reader != "reference":  # whose storages are torch's own allocations, resizable
+        assert not got["small"][3].untyped_storage().resizable()  # as torch.load's
+
+
+def test_views_of_one_storage_are_stored_once_in_a_plain_safetensors_file(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    buf = torch.arange(1 << 16, dtype=torch.float32)  # 256 KiB
+    state = {"buf": buf, "views": [buf[i : i + 100] for i in range(0, 1 << 16, 1000)], "t": buf.view(256, 256).t()}
+    path, man = saved(state, tmp_path)
+    data = path / "tensors-00000.safetensors"
+    assert data.stat().st_size < (1 << 18) + 8192  # the buffer once, not once per view
+    with safe_open(str(data), framework="pt") as f:
+        assert list(f.keys()) == ["buf"] and torch.equal(f.get_tensor("buf"), buf)
+    tree = json.loads((path / "state.json").read_bytes())
+    assert tree["buf"] == {"$t": "buf"}
+    assert tree["t"]["$view"] == {"key": "t", "of": "buf", "dtype": "F32", "shape": [256, 256],
+                                  "stride": [1, 256], "offset": 0}  # fmt: skip
+    got = Engine().load(path, man)
+    assert all(v.untyped_storage().data_ptr() == got["buf"].untyped_storage().data_ptr() for v in got["views"])
+    assert torch.equal(got["t"], state["t"]) and got["t"].stride() == (1, 256)
+
+
+def test_into_fills_tied_weights_and_views_in_place(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(300, 1024), torch.nn.Linear(1024, 300, bias=False))
+    model[1].weight = model[0].weight  # tied: 1.2 MiB, read in place
+    buf = torch.randn(40)
+    saved({"model": model.state_dict(), "buf": buf, "every_other": buf[::2]}, tmp_path)
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(torch.nn.Embedding(300, 1024), torch.nn.Linear(1024, 300, bias=False))
+    fresh[1].weight = fresh[0].weight
+    mine = torch.zeros(40)
+    into = {"model": fresh.state_dict(), "buf": mine, "every_other": mine[::2]}
+    ptr = fresh[0].weight.data_ptr()
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        got = ck.load_latest(into=into)
+    assert fresh[0].weight.data_ptr() == ptr and fresh[1].weight is fresh[0].weight
+    assert torch.equal(fresh[0].weight, model[0].weight)
+    assert torch.equal(mine, buf) and got["buf"] is mine
+    assert got["every_other"] is into["every_other"] and torch.equal(got["every_other"], buf[::2])
+
+
+def test_into_refuses_a_view_of_another_shape_before_reading(tmp_path: Path) -> None:
+    buf = torch.randn(40)
+    saved({"buf": buf, "view": buf[:10]}, tmp_path)
+    mine = torch.zeros(40)
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck, \
+            pytest.raises(ValueError, match=r"'view'.*F32 \[10\].*pass a matching state"):  # fmt: skip
+        ck.load_latest(into={"buf": mine, "view": mine[:12]})
+    assert not mine.any()
+
+
+def gpu_made(tmp_path: Path) -> Path:
+    """A checkpoint as a GPU node writes it: tensors recorded on ``cuda:0``."""
+    buf = torch.arange(10.0)
+    enc = encode_state({"w": buf, "v": buf[2:5]})
+    for name in ("w", "v"):
+        enc.tree[name] = {"$view": {"key": name, "of": "w", "dtype": "F32", "shape": list(enc.leaves[name].shape),
+                                    "stride": [1], "offset": int(enc.leaves[name].storage_offset()),
+                                    "device": "cuda:0"}}  # fmt: skip
+    return commit(tmp_path, 1, lambda tmp: write_state(tmp, enc))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a CPU-only process gives")
+def test_a_tensor_saved_on_a_gpu_loads_on_a_cpu_only_node_with_map_location(tmp_path: Path) -> None:
+    path = gpu_made(tmp_path)
+    man = verify_checkpoint(path)
+    with pytest.raises(ValueError, match=r"saved on cuda:0.*map_location='cpu'"):
+        Engine().load(path, man)  # torch.load also refuses, unless told where
+    got = Engine().load(path, man, map_location="cpu")
+    assert got["w"].device.type == "cpu" and torch.equal(got["v"], torch.arange(2.0, 5.0))
+    assert got["v"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tensors_saved_on_a_gpu_come_back_there_sharing_as_saved(tmp_path: Path) -> None:
+    w = torch.randn(64, 32, device="cuda")
+    state = {"w": w, "row": w[3], "t": w.t(), "cpu": torch.randn(3)}
+    path, man = saved(state, tmp_path)
+    got = Engine().load(path, man)
+    assert layout(got) == layout(torch_loaded(state, tmp_path))
+    assert got["w"].device == w.device and got["cpu"].device.type == "cpu"
+    moved = Engine().load(path, man, map_location="cpu")
+    assert moved["row"].device.type == "cpu" and torch.equal(moved["row"], w[3].cpu())
+    assert moved["row"].untyped_storage().data_ptr() == moved["w"].untyped_storage().data_ptr()
+
+
+def test_a_format_1_checkpoint_still_loads(tmp_path: Path) -> None:
+    # Written by the release before storages were kept (tests/unit/data/format1).
+    shutil.copytree(DATA / "format1", tmp_path / "run")
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        got = ck.load_latest()
+        assert ck.loaded_step == 7
+    want = format1_state()
+    assert torch.equal(got["model"]["w"], want["model"]["w"]) and torch.equal(got["t"], want["t"])
+    assert got["tied"][0] is got["tied"][1] and torch.equal(got["optim"]["state"][0]["exp_avg"],
+                                                            want["optim"]["state"][0]["exp_avg"])  # fmt: skip
+    assert got["optim"]["param_groups"] == want["optim"]["param_groups"]
+    assert isinstance(got["np"], np.ndarray) and (got["np"] == want["np"]).all()
+    g = torch.Generator()
+    g.set_state(got["rng"])
+    assert torch.equal(torch.rand(3, generator=g), torch.rand(3, generator=torch.Generator().manual_seed(5)))
+    assert json.loads((tmp_path / "run" / "step-000000007" / MANIFEST).read_text())["version"] == 1
+
+
+def test_a_newer_format_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    path, _ = saved({"x": torch.ones(2)}, tmp_path)
+    raw = (path / MANIFEST).read_bytes().replace(b'"version": 2', b'"version": 3')
+    body = raw[: raw.rindex(b',\n "manifest_crc32"')]
+    (path / MANIFEST).write_bytes(body + b',\n "manifest_crc32": "%08x"\n}\n' % zlib.crc32(body + b"\n}"))
+    with pytest.raises(CheckpointCorrupt, match=r"format version 3 is not one this slurm-ckpt reads.*upgrade"):
+        Manifest.read(path)
+
+
+def test_a_state_dict_keeps_its_type_and_module_versions(tmp_path: Path) -> None:
+    # load_state_dict hands each module its version from _metadata; a module whose
+    # format changed (BatchNorm: version 2) migrates old state_dicts by it.
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    sd = model.state_dict()
+    path, man = saved({"model": sd, "plain": {"a": 1}}, tmp_path)
+    got = Engine().load(path, man)
+    assert type(got["model"]) is type(sd) and list(got["model"]) == list(sd)
+    assert got["model"]._metadata == sd._metadata and got["model"]._metadata["1"]["version"] == 2
+    assert type(got["plain"]) is dict
+
+
+def test_views_of_other_dtypes_share_the_storage_torch_save_refuses(tmp_path: Path) -> None:
+    # torch.save refuses "multiple tensors ... that view the same data as different types";
+    # they are stored once, as bytes, and come back sharing it.
+    f = torch.randn(6)
+    state = {"f": f[1:], "bytes": f.view(torch.uint8)[4:12], "ints": f.view(torch.int32)}
+    path, man = saved(state, tmp_path)
+    got = Engine().load(path, man)
+    for k in state:
+        assert torch.equal(got[k], state[k]) and got[k].dtype == state[k].dtype
+        assert got[k].storage_offset() == state[k].storage_offset()
+    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1
+    got["ints"][1] = 0
+    assert got["f"][0] == 0 and not got["bytes"][:4].any()  # one memory, as saved
+
+
+def test_into_a_cpu_model_loads_views_saved_on_a_gpu_without_cuda(tmp_path: Path) -> None:
+    path = gpu_made(tmp_path)
+    mine = torch.zeros(10)
+    got = Engine().load(path, verify_checkpoint(path), into={"w": mine, "v": mine[2:5]})
+    assert got["w"] is mine and torch.equal(mine, torch.arange(10.0))
+
+
+def test_into_a_transposed_tensor_still_gives_its_views_the_saved_values(tmp_path: Path) -> None:
+    buf = torch.arange(40.0).reshape(5, 8)
+    path, man = saved({"buf": buf, "row": buf[1]}, tmp_path)
+    mine = torch.zeros(8, 5).t()  # not laid out as the saved storage: copied into
+    row = torch.zeros(8)
+    got = Engine().load(path, man, into={"buf": mine, "row": row})
+    assert torch.equal(mine, buf) and torch.equal(row, buf[1]) and got["row"] is row

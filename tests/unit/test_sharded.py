@@ -1,0 +1,162 @@
+"""slurm_ckpt.sharded in one process: what a load returns, values through JSON, and errors that name the fix.
+
+Several ranks (per-rank values, resharding) are in ``tests/integration/test_dcp_dist.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from slurm_ckpt import Checkpointer, sharded
+from slurm_ckpt.errors import CheckpointCorrupt, ConfigError, UnsafeLoad, UnsupportedValue
+from slurm_ckpt.store import verify_checkpoint
+
+
+@pytest.fixture
+def one_rank() -> Iterator[Any]:
+    """A real process group of one (gloo), for DTensors on a one-device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def state() -> dict[str, Any]:
+    w = torch.randn(40, 30)
+    return {
+        "model": {"w": w, "b": torch.arange(5)},
+        "head": w,  # tied: the same tensor object at two places
+        "rng": torch.get_rng_state(),
+        "step": 7,
+        "sched": {"milestones": {3: 1, 9: 2}, "gamma": float("inf"), "name": "cosine", "t": (1, 2)},
+        "blob": b"\x00\xff",
+        "odd#rank0": torch.tensor([5.0]),  # looks like the per-rank suffix, and is not one
+    }
+
+
+def test_a_load_without_into_gives_the_state_back_whole(run_dir: Path) -> None:
+    s = state()
+    path = sharded.save(s, run_dir, 7)
+    assert path == run_dir.absolute() / "step-000000007"
+    got = sharded.load(run_dir)
+    assert got is not None and got.step == 7 and got.path == path
+    assert torch.equal(got.state["model"]["w"], s["model"]["w"]) and torch.equal(got.state["rng"], s["rng"])
+    assert got.state["head"] is got.state["model"]["w"]  # ties survive
+    assert torch.equal(got.state["odd#rank0"], s["odd#rank0"])
+    # Only per-rank copies are stored under a per-rank key: here, none.
+    stored = verify_checkpoint(path).tensors
+    assert not [k for k in stored if re.search(r"#rank\d+$", k)], sorted(stored)
+    assert {k: v for k, v in got.state.items() if k not in ("model", "head", "rng", "odd#rank0")} == {
+        k: v for k, v in s.items() if k not in ("model", "head", "rng", "odd#rank0")
+    }
+    # Plain values are JSON, readable by anyone, and nothing is pickled.
+    doc = json.loads((path / "state.json").read_text())
+    assert doc["trees"][0]["step"] == 7 and doc["per_rank"] == [] and doc["world_size"] == 1
+    assert not (path / "objects.pkl").exists()
+    assert sharded.load(run_dir / "nothing-here") is None
+
+
+def test_into_fills_the_given_tensors_in_place(run_dir: Path) -> None:
+    s = state()
+    sharded.save(s, run_dir, 1)
+    into = {"model": {"w": torch.zeros(40, 30), "b": torch.zeros(5, dtype=torch.int64)}}
+    got = sharded.load(run_dir, into=into)
+    assert got is not None
+    assert got.state["model"]["w"] is into["model"]["w"] and torch.equal(into["model"]["w"], s["model"]["w"])
+    assert got.state["model"]["b"] is into["model"]["b"] and torch.equal(into["model"]["b"], s["model"]["b"])
+    assert torch.equal(got.state["rng"], s["rng"])  # not in into: comes back whole
+
+
+def test_into_that_does_not_match_is_refused_before_reading(run_dir: Path) -> None:
+    sharded.save(state(), run_dir, 1)
+    with pytest.raises(ValueError, match=r"into= holds 1 tensor\(s\) that .* does not, e.g. 'model.extra'"):
+        sharded.load(run_dir, into={"model": {"extra": torch.zeros(2)}})
+    with pytest.raises(ValueError, match=r"shape \[40, 30\], the tensor is \[30, 40\]"):
+        sharded.load(run_dir, into={"model": {"w": torch.zeros(30, 40)}})
+
+
+class Opaque:
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Opaque)
+
+
+def test_objects_need_allow_pickle_to_save_and_trusted_to_load(run_dir: Path) -> None:
+    with pytest.raises(UnsupportedValue, match="allow_pickle=True"):
+        sharded.save({"o": Opaque()}, run_dir, 1)
+    sharded.save({"o": Opaque(), "w": torch.ones(2)}, run_dir, 2, allow_pickle=True)
+    with pytest.raises(UnsafeLoad, match="trusted=True"):
+        sharded.load(run_dir)
+    got = sharded.load(run_dir, trusted=True)
+    assert got is not None and got.state["o"] == Opaque()
+
+
+def test_a_damaged_block_falls_back_to_the_previous_checkpoint(run_dir: Path) -> None:
+    for step in (1, 2):
+        sharded.save({"w": torch.full((300_000,), float(step))}, run_dir, step, keep=5)
+    newest = run_dir / "step-000000002"
+    at = verify_checkpoint(newest).tensors["w"]["chunks"][0]["at"]
+    with (newest / "dcp-00000.safetensors").open("r+b") as f:  # the size stays: only the block crc tells
+        f.seek(at + 100)
+        f.write(b"\x01\x02")
+    skipped: list[Any] = []
+    got = sharded.load(run_dir, skipped=skipped)
+    assert got is not None and got.step == 1 and torch.equal(got.state["w"], torch.full((300_000,), 1.0))
+    assert [s.path for s in skipped] == [newest] and "checksum mismatch" in skipped[0].reason
+    # Named explicitly, the damaged one is an error, not a silent fallback.
+    with pytest.raises(CheckpointCorrupt, match="checksum mismatch"):
+        sharded.load(newest)
+
+
+def test_plain_and_sharded_checkpoints_each_name_their_loader(run_dir: Path) -> None:
+    with Checkpointer(run_dir / "plain", distributed=False) as ck:
+        ck.save({"w": torch.ones(2)}, step=1)
+    with pytest.raises(ConfigError, match=r"written by Checkpointer\.save, not slurm_ckpt\.sharded\.save: load it with Checkpointer\.load_latest"):
+        sharded.load(run_dir / "plain")
+    import torch.distributed.checkpoint as dcp
+
+    from slurm_ckpt.dcp import StorageWriter
+
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"w": torch.ones(2)}, storage_writer=StorageWriter(run_dir / "raw", step=1))
+    with pytest.raises(ConfigError, match=r"written by dcp\.save, not slurm_ckpt\.sharded\.save: load it with dcp\.load"):
+        sharded.load(run_dir / "raw")
+    sharded.save({"w": torch.ones(2)}, run_dir / "sharded", 1)
+    with Checkpointer(run_dir / "sharded", distributed=False) as ck, pytest.raises(
+        ConfigError, match=r"sharded checkpoint written through slurm_ckpt.dcp: load it with slurm_ckpt.sharded.load"
+    ):
+        ck.load_latest()
+
+
+def test_dtensors_save_whole_and_reload_into_dtensors(run_dir: Path, one_rank: Any) -> None:
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    full = torch.randn(12, 6)
+    s = {"sharded": distribute_tensor(full, one_rank, [Shard(1)]), "rep": distribute_tensor(full[:2], one_rank, [Replicate()])}
+    sharded.save(s, run_dir, 3)
+    into = {"sharded": distribute_tensor(torch.zeros(12, 6), one_rank, [Shard(0)])}
+    got = sharded.load(run_dir, into=into)
+    assert got is not None
+    assert isinstance(got.state["sharded"], DTensor) and torch.equal(got.state["sharded"].full_tensor(), full)
+    assert not isinstance(got.state["rep"], DTensor) and torch.equal(got.state["rep"], full[:2])
+
+
+def test_the_plain_checkpointer_names_the_fix_for_a_dtensor(run_dir: Path, one_rank: Any) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    s = {"model": {"layer.weight": distribute_tensor(torch.ones(4, 4), one_rank, [Shard(0)])}, "step": 1}
+    with Checkpointer(run_dir, distributed=False) as ck, pytest.raises(
+        UnsupportedValue, match=r"/model/layer.weight: a DTensor .* slurm_ckpt.sharded.save"
+    ):
+        ck.save(s, step=1)
+    assert not list(run_dir.glob("step-*"))
