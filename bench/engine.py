@@ -3,7 +3,7 @@
     python bench/engine.py --size 1G --dir /path/on/the/disk --json out.json --plot out.png
 
 Same options as ``slurm-ckpt bench`` (it is that command); see
-``slurm_ckpt/engine/bench.py`` for what is measured and how.
+``slurm_ckpt/bench/`` for what is measured and how.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from slurm_ckpt import Checkpointer
+from slurm_ckpt.bench.scripts import remove_steps, script_finish, script_state, training_step
 from slurm_ckpt.config import load_config
-from slurm_ckpt.engine.bench import _remove_steps, _training_step, script_finish, script_state
 from slurm_ckpt.engine.layout import plan_file
 from slurm_ckpt.store.codec import encode_state
 
@@ -36,9 +36,9 @@ def main() -> None:
 
     def timed(name: str, fn: object) -> None:
         for c in ck.values():
-            _remove_steps(c.dir)  # outside the timing, as in slurm-ckpt bench
+            remove_steps(c.dir)  # outside the timing, as in slurm-ckpt bench
         os.sync()
-        _training_step(state)
+        training_step(state)
         t0 = time.perf_counter()
         fn()  # type: ignore[operator]
         times.setdefault(name, []).append(time.perf_counter() - t0)

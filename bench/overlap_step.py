@@ -11,9 +11,12 @@ trainer is that time less the plain steps', printed as a ratio to the sync
 save's cost: the stall, what the steps wait for, and what the background
 write takes from them (the same cores and memory).
 
-``overlap`` returns at once and copies behind forward and backward;
+``auto`` is the default (it chooses ``copy`` here: the staging buffer fits).
+The opt-in ``overlap`` returns at once and copies behind forward and backward;
 ``optimizer.step()`` waits for whatever is left. ``lazy`` is the same with the
-fence called by hand, and no guard.
+fence called by hand, and no guard. This loop keeps to what both require (it
+changes the state only in ``optimizer.step()``), so their checkpoints are
+exact here; ``docs/async.md`` says what they let through otherwise.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from typing import Any
 import torch
 
 from slurm_ckpt import Checkpointer
+from slurm_ckpt.bench.scripts import remove_steps, script_finish, script_state
 from slurm_ckpt.config import load_config
-from slurm_ckpt.engine.bench import _remove_steps, script_finish, script_state
 
 WIDTH, BATCH, STEPS = 2048, 32, 3
 
@@ -58,7 +61,7 @@ class Trainer:
 def main() -> None:
     args, root, tr = script_state("overlap-step", reps=15, make=Trainer)
     cfg = load_config()
-    modes = ("sync", "copy", "overlap", "lazy", "fork")
+    modes = ("sync", "auto", "copy", "fork", "overlap", "lazy")
     ck = {mode: Checkpointer(root / mode, keep=1000, distributed=False,
                              config=dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, snapshot=mode)))
           for mode in modes if mode != "sync"}  # fmt: skip
@@ -66,7 +69,7 @@ def main() -> None:
     times: dict[str, list[float]] = {}
 
     def timed(name: str, save: Callable[[], Any]) -> None:
-        _remove_steps(ck[name].dir)
+        remove_steps(ck[name].dir)
         os.sync()
         tr.step()
         t0 = time.perf_counter()

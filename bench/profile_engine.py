@@ -40,10 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from slurm_ckpt import Checkpointer
+from slurm_ckpt.bench.disk import Raw, drop_cache
+from slurm_ckpt.bench.run import shuffled
+from slurm_ckpt.bench.state import map_tensors, synthetic_state
 from slurm_ckpt.config import parse_size
 from slurm_ckpt.engine import reader as engine_reader
 from slurm_ckpt.engine import writer as engine_writer
-from slurm_ckpt.engine.bench import _Raw, _shuffled, drop_cache, map_tensors, synthetic_state
 from slurm_ckpt.engine.buffers import ALIGN, aligned_buffer, memory_view
 from slurm_ckpt.engine.layout import plan_file
 from slurm_ckpt.engine.reader import read_tensor_file
@@ -101,8 +103,8 @@ def main() -> None:
     staged, _ = Staging().stage(encode_state(state).tensors)
     on_huge, _held = _on_huge_pages(state)  # the buffers must outlive the writes
     huge_image = plan_file(encode_state(on_huge).tensors)
-    raw = _Raw(image.size, 8 << 20)
-    raw_small = _Raw(image.size, 8 << 20, huge=False)
+    raw = Raw(image.size, 8 << 20)
+    raw_small = Raw(image.size, 8 << 20, huge=False)
     out = root / "profile.bin"
     ck = Checkpointer(root / "ckpt", keep=1000, distributed=False)
 
@@ -126,14 +128,14 @@ def main() -> None:
         ]
         for name, _ in cases:
             writes.setdefault(name, [])  # the table keeps this order
-        for name, fn in _shuffled(cases, r):
+        for name, fn in shuffled(cases, r):
             writes[name].append(timed(fn, fresh))
     table("WRITE", image.size, writes, "raw O_DIRECT x4 (limit)")
 
     path = ck.save(state, 1)
     rec = verify_checkpoint(path).files["tensors-00000.safetensors"]
     raw.write(out, 4)
-    warm = _Raw(image.size, 8 << 20)  # its buffer is faulted in already
+    warm = Raw(image.size, 8 << 20)  # its buffer is faulted in already
     data = path / "tensors-00000.safetensors"
     mine = {e.key: e.tensor for e in enc.tensors}
     ours = read_tensor_file(data, rec)
@@ -149,7 +151,7 @@ def main() -> None:
         ]
         for name, _ in cases:
             reads.setdefault(name, [])
-        for name, fn in _shuffled(cases, r):
+        for name, fn in shuffled(cases, r):
             reads[name].append(timed(fn, lambda: drop_cache([out, path])))
     table("READ (cold cache)", image.size, reads, "raw O_DIRECT x4 into faulted memory (limit)")
 
@@ -199,7 +201,7 @@ def _unreserved(out: Path, image: Any) -> None:
         engine_writer.preallocate = real
 
 
-def _fresh_read(raw: _Raw, path: Path) -> None:
+def _fresh_read(raw: Raw, path: Path) -> None:
     """``raw``'s read, into memory allocated just before (every page faulted by the read)."""
     import torch
 

@@ -25,7 +25,7 @@ import threading
 import time
 
 from slurm_ckpt import Checkpointer
-from slurm_ckpt.engine.bench import _training_step, script_finish, script_state
+from slurm_ckpt.bench.scripts import script_finish, script_state, training_step
 from slurm_ckpt.store.layout import step_dir
 from slurm_ckpt.store.retention import apply_retention, discard_checkpoint, reaped
 
@@ -43,7 +43,7 @@ def main() -> None:
         for name, c in ck.items():
             if name == "none":
                 shutil.rmtree(step_dir(c.dir, step - 1), ignore_errors=True)
-            _training_step(state)
+            training_step(state)
             os.sync()
             delete = threading.Thread(target=discard_checkpoint, args=(step_dir(c.dir, step - 1),))
             t0 = time.perf_counter()

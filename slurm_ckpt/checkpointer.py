@@ -117,11 +117,9 @@ class Checkpointer:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         h = self._inflight
-        if h is not None:
-            try:
-                h.wait(timeout)
-            except Exception:  # TimeoutError, or the save's own error (kept for wait())
-                return False
+        # Not h.wait(): the save's error is kept for whoever raises it first.
+        if h is not None and not (h._join(timeout) and not h.failed()):
+            return False
         return self.placement.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _surface_drain_error(self) -> None:
@@ -155,7 +153,8 @@ class Checkpointer:
         """True once a checkpoint-and-stop was requested (the wrapper's signal).
 
         Polled every step, so it is also where a failed background save
-        surfaces (per ``storage.on_async_error``) before the next save.
+        surfaces (per ``storage.on_async_error``) before the next save, unless
+        its handle's ``wait()`` raised the error already.
         """
         h = self._inflight
         if h is not None and h.failed():
@@ -214,15 +213,16 @@ class Checkpointer:
     def save_async(self, state: Any, step: int) -> SaveHandle:
         """Capture ``state`` and write it in the background.
 
-        Later in-place changes to the state's tensors do not reach this
-        checkpoint. By default (``overlap``, CPU tensors) the large tensors are
-        copied after this returns, behind the next forward and backward pass:
-        ``optimizer.step()`` waits for the copy, and a tensor changed in place
-        any other way before it was copied fails this save (``SnapshotChanged``)
-        rather than leak into it. With ``engine.snapshot: lazy`` the trainer
-        must call ``fence()`` first. A call while a save is in flight first
-        waits for that one to commit: one in flight per run dir, and no request
-        is dropped.
+        By default the checkpoint holds the state as it was when this call
+        returns, whatever the trainer does next (in-place ops, writes through
+        ``.data`` or NumPy views, ``optimizer.step()``, other threads): ``auto``
+        copies the tensors into a staging buffer kept between saves before
+        returning or, when that copy would not fit in memory, forks a child
+        that writes from a copy-on-write image. The opt-in ``engine.snapshot``
+        modes ``overlap`` and ``lazy`` return before copying and need the
+        trainer's help (``docs/async.md``). A call while a save is in flight
+        first waits for that one to commit: one in flight per run dir, and no
+        request is dropped.
         """
         self._check_open()
         self._drain_inflight()
@@ -254,24 +254,31 @@ class Checkpointer:
             return self.placement.commit(step, write, nbytes=nbytes, job_id=job_id(), **meta)
 
     def _drain_inflight(self, *, policy: bool = True) -> None:
-        """Wait for the background save; its error is raised, or only logged with
-        ``storage.on_async_error: warn`` (``policy=False`` always raises)."""
+        """Wait for the background save. Its error, unless raised already (by the
+        handle's ``wait()``, or here before), is raised, or only logged with
+        ``storage.on_async_error: warn`` (``policy=False`` always raises).
+
+        Raised once: a trainer that caught it from ``handle.wait()`` must not
+        meet it again at the next save or at ``close()``.
+        """
         h, self._inflight = self._inflight, None
         if h is None:
             return
-        try:
-            h.wait()
-        except Exception as e:
-            if not policy or self.config.storage.on_async_error != "warn":
-                raise
-            log.warning("background save of step %d failed: %s; training goes on without it "
-                        "(storage.on_async_error: warn)", h.step, e)  # fmt: skip
+        h._join()
+        e = h._take_error()
+        if e is None:
+            return
+        if not policy or self.config.storage.on_async_error != "warn" or not isinstance(e, Exception):
+            raise e
+        log.warning("background save of step %d failed: %s; training goes on without it "
+                    "(storage.on_async_error: warn)", h.step, e)  # fmt: skip
 
     def wait(self) -> None:
         """Block until any background save is committed, and copied to the durable tier,
         and the checkpoints retention dropped are deleted.
 
-        A failed save raises its error; a failed copy follows ``storage.on_async_error``.
+        A failed save raises its error (unless ``handle.wait()`` raised it already);
+        a failed copy follows ``storage.on_async_error``.
         """
         self._drain_inflight(policy=False)
         self.placement.drain()
@@ -280,8 +287,9 @@ class Checkpointer:
 
     def fence(self) -> None:
         """Block until the save in flight has copied the tensors, so the trainer may
-        change them: with ``engine.snapshot: lazy`` before ``optimizer.step()``; by
-        default before changing them other than through ``optimizer.step()``."""
+        change them. Only the opt-in modes need it: ``engine.snapshot: lazy`` before
+        ``optimizer.step()``; ``overlap`` before changing large tensors other than
+        through ``optimizer.step()``. By default it returns at once."""
         h = self._inflight
         if h is not None:
             h.fence()

@@ -17,17 +17,20 @@ import time
 from collections.abc import Callable
 from functools import wraps
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from . import __version__
-from ._env import default_run_dir, scratch_dir
 from .config import format_size, load_config
 from .errors import CheckpointCorrupt, ConfigError, LockHeld, SlurmCkptError
-from .store import Skipped, find_latest, verify_checkpoint
-from .store.layout import list_steps
-from .store.tiers import read_dirs
+
+if TYPE_CHECKING:
+    from .store import Skipped
+
+# The store and the job environment are imported by the commands that use
+# them: `slurm-ckpt node prolog|epilog` runs before and after every job and
+# needs neither.
 
 __all__ = ["main"]
 
@@ -61,11 +64,16 @@ def _errors_to_exit(fn: F) -> F:
 
 
 def _run_dir(dir: str | None) -> Path:
+    from ._env import default_run_dir
+
     return Path(dir) if dir else default_run_dir(load_config())
 
 
 def _search_dirs(dir: str | None) -> list[Path]:
     """``--dir`` alone; else the durable run dir and, when it exists, the scratch tier first."""
+    from ._env import scratch_dir
+    from .store.tiers import read_dirs
+
     return [Path(dir)] if dir else read_dirs(_run_dir(None), scratch_dir())
 
 
@@ -95,6 +103,8 @@ def resume(dir: str | None, as_json: bool, quick: bool) -> None:
     Corrupt or partial checkpoints are skipped and named on stderr. Without
     --dir, the job's scratch tier ($SLURM_CKPT_SCRATCH/ckpt) is searched too.
     """
+    from .store import find_latest
+
     skipped: list[Skipped] = []
     dirs = _search_dirs(dir)
     cand = find_latest(dirs, full=not quick, skipped=skipped)
@@ -128,6 +138,9 @@ def ls_(dir: str | None, full: bool) -> None:
 
 
 def _ls_dir(run_dir: Path, full: bool) -> None:
+    from .store import verify_checkpoint
+    from .store.layout import list_steps
+
     rows = list_steps(run_dir)
     if not rows:
         click.echo(f"no checkpoints in {run_dir}")
@@ -148,6 +161,8 @@ def _ls_dir(run_dir: Path, full: bool) -> None:
 @_errors_to_exit
 def verify(path: str) -> None:
     """Verify every file and checksum of one checkpoint dir; exit 4 naming a bad file."""
+    from .store import verify_checkpoint
+
     m = verify_checkpoint(Path(path), full=True)
     click.echo(f"ok: step {m.step}, {len(m.files)} files, {format_size(sum(r.size for r in m.files.values()))}")
 
@@ -205,6 +220,7 @@ def doctor(
     space and inodes, mount type and options, quota, page-cache settings,
     slurm.conf, the signal lead time against checkpoint size, and cgroup io limits.
     """
+    from ._env import default_run_dir
     from .config import parse_size
     from .doctor import Severity, run_doctor
 
@@ -229,12 +245,12 @@ def doctor(
 @click.option("--no-small", is_flag=True, help="Skip the 10,000-small-tensors case.")
 @_errors_to_exit
 def bench(size: str, dir: str, reps: int, json_path: str | None, plot_path: str | None, no_small: bool) -> None:
-    """Measure our saves and loads against torch.save, DCP, safetensors and the raw disk."""
+    """Measure our saves and loads against torch.save, DCP, safetensors and the raw disk,
+    and background saves' stalls against the sync save and one memcpy of the state."""
     from .config import parse_size
 
     load_config().engine.torch_env(os.environ)  # as `slurm-ckpt run` gives its command
-    from .engine.bench import run_bench
-    from .engine.report import format_table, plot
+    from .bench import format_table, plot, run_bench
 
     doc = run_bench(parse_size(size), Path(dir), reps=max(1, reps), small=not no_small,
                     progress=lambda line: click.echo(line, err=True))  # fmt: skip

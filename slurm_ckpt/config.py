@@ -38,6 +38,7 @@ __all__ = [
     "format_size",
     "job_dir_name",
     "load_config",
+    "parse_duration",
     "parse_size",
 ]
 
@@ -88,6 +89,28 @@ def format_size(n: float) -> str:
 
 class Size(int):
     """An int of bytes that config files may spell ``40G``."""
+
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: str | int | float) -> float:
+    """Parse ``7d``, ``12h``, ``30m``, ``90s`` or a plain number of seconds."""
+    if isinstance(value, bool):
+        raise ConfigError(f"duration must be a number with a unit like 7d, not {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(f"duration must not be negative: {value!r}")
+        return float(value)
+    m = _DURATION_RE.match(str(value))
+    if not m:
+        raise ConfigError(f"cannot parse duration {value!r}: use a number and s, m, h or d, such as 7d")
+    return float(m.group(1)) * _SECONDS[m.group(2)]
+
+
+class Duration(float):
+    """Seconds that config files may spell ``7d`` or ``12h``."""
 
 
 def job_dir_name(job_id: str) -> str:
@@ -162,6 +185,19 @@ class ScratchConfig:
     expected_ckpt_size: Size = Size(0)
     """Checkpoint size the space check assumes when the job gives no --comment ckpt_size=
     and has no checkpoint yet; 0 checks free space against nothing."""
+    max_size: Size = Size(0)
+    """Most one job may reserve, whatever it asks; 0: no cap but the filesystem. With no cap,
+    a job asking for more than the filesystem could ever hold gets default_size."""
+    max_inodes: int = 1_000_000
+    """Most files and directories one job may make in scratch, where enforce can limit them
+    (loop: the image's inode count; quota: the project's inode limit); 0: no limit. It bounds
+    how long removing a job's scratch takes."""
+    keep_failed: Duration = Duration(7 * 86400)
+    """How long a scratch the epilog kept (its stage-out failed: it may hold the only copy of a
+    checkpoint) stays, with its reservation, before a later hook removes it anyway (7d, 12h)."""
+    reap_budget: float = 60.0
+    """Seconds a background reaper, started by a hook, spends removing what hooks could not
+    remove within their own deadline (the graveyard) and kept scratch past keep_failed."""
 
     def validate(self) -> None:
         if self.over_reserve not in ("shrink", "none"):
@@ -172,6 +208,8 @@ class ScratchConfig:
             raise ConfigError("scratch.loop_fstype must be ext4 or xfs")
         if min(self.prolog_timeout, self.epilog_timeout, self.check_timeout) <= 0:
             raise ConfigError("scratch.prolog_timeout, epilog_timeout and check_timeout must be > 0")
+        if self.keep_failed <= 0 or self.reap_budget <= 0 or self.max_inodes < 0:
+            raise ConfigError("scratch.keep_failed and reap_budget must be > 0, max_inodes >= 0")
 
 
 @dataclass(frozen=True)
@@ -325,7 +363,9 @@ def load_config(
     data: dict[str, Any] = {}
     if src.exists():
         try:
-            loaded = yaml.safe_load(src.read_text())
+            # libyaml's parser where PyYAML has it: the same safe loader, and the hooks
+            # read this file before every job.
+            loaded = yaml.load(src.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         except (OSError, yaml.YAMLError) as e:
             raise ConfigError(f"{src}: cannot read config: {e}") from e
         if loaded is not None and not isinstance(loaded, dict):
@@ -357,7 +397,7 @@ def _apply_env(cfg: Config, env: Mapping[str, str]) -> Config:
 
 
 def _is_scalar(tp: Any) -> bool:
-    return tp in (str, int, float, bool, Size) or typing.get_origin(tp) is tuple
+    return tp in (str, int, float, bool, Size, Duration) or typing.get_origin(tp) is tuple
 
 
 def _build(cls: type[Any], data: Any, src: str, prefix: str) -> Any:
@@ -391,6 +431,11 @@ def _coerce(tp: Any, value: Any, where: str, src: str) -> Any:
     if tp is Size:
         try:
             return Size(parse_size(value))
+        except ConfigError as e:
+            raise ConfigError(f"{src}: {where}: {e}") from None
+    if tp is Duration:
+        try:
+            return Duration(parse_duration(value))
         except ConfigError as e:
             raise ConfigError(f"{src}: {where}: {e}") from None
     if tp is bool:

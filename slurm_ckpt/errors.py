@@ -9,7 +9,7 @@ so ``except OSError`` in a user's code still catches a full disk::
      ├── NoCheckpoint(LookupError)        nothing valid to resume from
      ├── UnsafeLoad(PermissionError)      pickle found, trusted loading not enabled
      ├── UnsupportedValue(TypeError)      a state value we cannot store safely
-     ├── SnapshotChanged(RuntimeError)    a tensor changed while save_async copied it
+     ├── SnapshotChanged(RuntimeError)    a tensor changed while a save still read it
      ├── LockHeld(TimeoutError)           another writer owns the run dir
      ├── StorageError(OSError)            an I/O call failed; carries path and errno
      │    └── NoSpace                     ENOSPC / EDQUOT
@@ -74,7 +74,8 @@ class UnsupportedValue(SlurmCkptError, TypeError):
 
 
 class SnapshotChanged(SlurmCkptError, RuntimeError):
-    """A tensor changed in place while ``save_async`` was still copying it; nothing was committed."""
+    """A tensor changed while a save was still reading it (the opt-in ``overlap``
+    snapshot, or a sharded DCP save's writer); nothing was committed."""
 
 
 class LockHeld(SlurmCkptError, TimeoutError):

@@ -5,14 +5,14 @@ It plugs into the store's commit protocol as the ``write`` function passed to
 (fsync, manifest last, rename, fsync parent) is unchanged. Files are the same
 safetensors layout the reference writer produces, so each path reads the other's.
 
-Snapshot modes for ``save_async`` (``engine.snapshot``):
+Snapshot modes for ``save_async`` (``engine.snapshot``). The default ones
+capture the state before ``save_async`` returns, so the checkpoint holds the
+state as it was then, whatever the trainer does next; the opt-in ones return
+before that and need the trainer's help (``docs/async.md``).
 
-``overlap`` copy the small tensors, return, and copy the large ones into the
-          staging buffer on a thread, behind the trainer's next forward and
-          backward pass, which do not change them. ``optimizer.step()`` waits
-          for the copy by itself, and a tensor changed in place any other
-          way before it was copied fails the save rather than leak into it
-          (``guard.py``). Extra memory as ``copy``. CPU tensors only.
+``auto``  (default) ``copy``, unless a staging buffer would not fit in the
+          memory left (the job's cgroup limit included): then ``fork``.
+          CUDA tensors are always copied.
 ``copy``  copy into a staging buffer that is kept and reused between saves
           (pinned when CUDA is present, one sync for all device-to-host
           copies). The stall is one memory copy of the state; the extra
@@ -23,14 +23,19 @@ Snapshot modes for ``save_async`` (``engine.snapshot``):
           the trainer writes while the child is still writing is copied by a
           page fault, which costs far more than the copy it saved (measured
           in ``slurm-ckpt bench``). It needs no standing extra memory.
+``overlap`` opt-in: copy the small tensors, return, and copy the large ones
+          into the staging buffer on a thread, behind the trainer's next
+          forward and backward pass. ``optimizer.step()`` waits for the copy
+          by itself; an in-place torch op on a large tensor that ends before
+          the copy does fails the save (``guard.py``). Blind to writes that
+          torch does not count (``.data``, NumPy views) and to an op still
+          running when the copy ends: the trainer must not change large
+          tensors other than through ``optimizer.step()`` before the fence.
+          CPU tensors only.
 ``lazy``  opt-in: return at once and copy in the background, unguarded. The
           trainer must call ``handle.fence()`` (or ``Checkpointer.fence()``)
           before it next changes the tensors in place, typically before
           ``optimizer.step()``.
-``auto``  (default) ``overlap`` for CPU tensors and ``copy`` for CUDA ones,
-          unless a staging buffer would not fit in the memory left (the job's
-          cgroup limit included): then ``fork``. After ``overlap`` caught a
-          change, ``copy`` for the rest of the run.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from ..store.manifest import Manifest
 from ..store.tensorfile import FileRecord
 from ..store.writer import load_state
 from . import guard
-from .forked import ForkedWriter
+from .forked import ForkedWriter, frozen_by_fork
 from .handle import SaveHandle
 from .job import ForkJob, ImageJob, SaveJob, ThreadCopyJob
 from .layout import FileImage, plan_file
@@ -108,7 +113,7 @@ class Engine:
         self.cfg = cfg or EngineConfig()
         self.staging = Staging(pin=self.cfg.pin_memory)
         self._streams: dict[Any, Any] = {}
-        self._overlap_ok = True  # until a tensor changed outside optimizer.step() while copied
+        self._overlap_ok = True  # opt-in overlap: until it caught a tensor changed while copied
 
     @property
     def threads(self) -> int:
@@ -120,8 +125,9 @@ class Engine:
     def job(self, state: Any, *, allow_pickle: bool = False, mode: str = "sync") -> SaveJob:
         """Capture ``state`` for writing. ``mode`` is ``sync`` or a snapshot mode.
 
-        When this returns, later in-place changes to the state cannot reach
-        the checkpoint, except in ``lazy`` mode before the job's fence.
+        When this returns, later changes to the state cannot reach the
+        checkpoint, except in the opt-in ``overlap`` and ``lazy`` modes, whose
+        copies run after it (see the module's docstring).
         """
         if mode == "auto":
             mode = self.cfg.snapshot
@@ -134,8 +140,10 @@ class Engine:
         enc = encode_state(state, allow_pickle=allow_pickle, prepare=_keep)
         cuda = any(is_cuda(e.tensor) for e in enc.tensors)
         if mode == "auto":
-            fits = self._staging_fits(enc.nbytes) or not hasattr(os, "fork")
-            mode = "copy" if cuda else "overlap" if fits else "fork"
+            # Only modes that capture the state before returning: the default
+            # must hold the state save_async saw, whatever the trainer does next.
+            fits = cuda or self._staging_fits(enc.nbytes) or not hasattr(os, "fork")
+            mode = "copy" if fits else "fork"
         if mode in ("fork", "overlap") and cuda:
             log.debug("state has CUDA tensors: staging them instead of using %s", mode)
             mode = "copy"
@@ -146,9 +154,11 @@ class Engine:
         if mode == "overlap":
             return self._overlap(enc)
         if mode == "copy" or (mode == "sync" and cuda):
-            image, enc.tensors = self.staging.stage(enc.tensors)
-            return ImageJob(enc, image, self.write_image, mode)
+            # The job keeps the image, not enc: no reference to the trainer's tensors.
+            return ImageJob(enc, self.staging.capture(enc.tensors), self.write_image, mode)
         enc.tensors = [_contiguous(e) for e in enc.tensors]
+        if mode == "fork":
+            enc.tensors = frozen_by_fork(enc.tensors)
         image = plan_file(enc.tensors)  # puts enc.tensors in file order
         if mode == "sync":
             return ImageJob(enc, image, self.write_image, mode)
@@ -156,8 +166,7 @@ class Engine:
             writer = ForkedWriter(image, threads=self.threads, chunk=self.cfg.chunk_size, direct=self.cfg.direct_io)
         except OSError as e:  # ENOMEM under strict overcommit, EAGAIN at the process limit
             log.warning("cannot fork the background writer (%s); copying the state instead", e)
-            image, enc.tensors = self.staging.stage(enc.tensors)
-            return ImageJob(enc, image, self.write_image, "copy")
+            return ImageJob(enc, self.staging.capture(enc.tensors), self.write_image, "copy")
         return ForkJob(enc, writer)
 
     def _staging_fits(self, nbytes: int) -> bool:
@@ -177,11 +186,10 @@ class Engine:
                 side = self._streams.setdefault(dev, torch.cuda.Stream(device=dev))
                 side.wait_stream(torch.cuda.current_stream(dev))
                 streams[dev] = side
-        entries = enc.tensors
+        entries = list(enc.tensors)
 
         def stage() -> FileImage:
-            image, _ = self.staging.stage(entries, streams=streams)
-            return image
+            return self.staging.capture(entries, streams=streams)
 
         return ThreadCopyJob(enc, stage, self.write_image, mode="lazy")
 
@@ -210,7 +218,8 @@ class Engine:
                     f"outside optimizer.step(), e.g. {moved[0]!r}: the checkpoint would mix old and new "
                     "values, so it is not committed and the previous one stays the newest. Later saves "
                     "copy the state before save_async returns. To keep overlapping, call ckpt.fence() "
-                    "before changing tensors outside optimizer.step(); or set engine.snapshot: copy"
+                    "before changing tensors outside optimizer.step(); or drop engine.snapshot: overlap "
+                    "for the default (auto), which captures the state before save_async returns"
                 )
             return image
 

@@ -20,8 +20,15 @@ the signals Slurm sends to the whole step (the parent decides), and exits with
 between chunks, and every second while idle, that its parent is alive, and
 exits if not: a killed trainer leaves only a temp dir, which the next writer
 removes. It writes through its own bounce buffers, never with O_DIRECT from
-the shared pages: pinning a shared page makes the kernel copy it first. Processes with CUDA tensors to save never use this path (pinned
-memory may be excluded from the child's copy).
+the shared pages: pinning a shared page makes the kernel copy it first.
+Processes with CUDA tensors to save never use this path.
+
+What fork does not freeze. Only private memory is copy-on-write: a shared
+mapping (``share_memory_()``, ``torch.from_file(shared=True)``, a NumPy
+memmap) is the same pages in both processes, so the trainer's later writes
+would reach the child's checkpoint; and CUDA's pinned host memory is not
+mapped in the child at all. Such tensors are copied into private memory
+before the fork (:func:`frozen_by_fork`).
 
 Protocol. The parent sends one JSON line per file to write, ``{"path": ...}``,
 and gets ``{"ok": true, "size", "checksum"}`` or ``{"ok": false, "errno",
@@ -31,23 +38,74 @@ and gets ``{"ok": true, "size", "checksum"}`` or ``{"ok": false, "errno",
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import os
 import select
 import signal
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ..errors import SlurmCkptError, storage_error
+from ..store.codec import TensorEntry
 from ..store.tensorfile import FileRecord
 from .layout import FileImage
 from .writer import write_image
 
-__all__ = ["ForkedWriter"]
+__all__ = ["ForkedWriter", "frozen_by_fork"]
 
 _CHILD_IGNORES = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
+
+
+def frozen_by_fork(entries: Sequence[TensorEntry]) -> list[TensorEntry]:
+    """``entries`` with every tensor whose memory a fork would not freeze replaced
+    by a private copy (shared mappings, pinned host memory; see the module docstring)."""
+    shared = _shared_mappings()
+    pinned = _cuda_initialized()
+    out = []
+    for e in entries:
+        t = e.tensor
+        lo = int(t.data_ptr())
+        if e.nbytes and (_overlaps(shared, lo, lo + e.nbytes) or (pinned and t.is_pinned())):
+            e = TensorEntry(e.key, t.clone(), e.dtype, e.shape)
+        out.append(e)
+    return out
+
+
+def _shared_mappings() -> tuple[list[int], list[int]]:
+    """The start and end addresses of this process's shared mappings, sorted (``/proc/self/maps``)."""
+    starts: list[int] = []
+    ends: list[int] = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                span, perms = line.split(maxsplit=2)[:2]
+                if perms[3:4] == "s":
+                    lo, hi = span.split("-")
+                    starts.append(int(lo, 16))
+                    ends.append(int(hi, 16))
+    except OSError:
+        pass
+    return starts, ends
+
+
+def _overlaps(mappings: tuple[list[int], list[int]], lo: int, hi: int) -> bool:
+    starts, ends = mappings
+    i = bisect.bisect_right(starts, lo) - 1  # the last mapping starting at or before lo
+    if i >= 0 and ends[i] > lo:
+        return True
+    j = i + 1  # the first one starting after lo
+    return j < len(starts) and starts[j] < hi
+
+
+def _cuda_initialized() -> bool:
+    # Pinned memory exists only once CUDA is initialized; asking earlier would initialize it.
+    import torch
+
+    return bool(torch.cuda.is_initialized())
 
 
 class ForkedWriter:

@@ -1,4 +1,4 @@
-"""The guard of the ``overlap`` snapshot: what keeps a background copy consistent.
+"""The guard of the opt-in ``overlap`` snapshot: what it does to keep a background copy consistent.
 
 ``overlap`` returns from ``save_async`` before the large tensors are copied,
 and copies them while the trainer runs its next forward and backward pass,
@@ -17,9 +17,12 @@ keep later changes out of the checkpoint without the trainer's help:
 Both rest on torch's own notion of an in-place change, so they share its
 blind spots: writes through ``.data``, a NumPy view or a raw pointer, and
 native kernels that update buffers without a bump (batch norm's running
-statistics). The engine copies small tensors before ``save_async`` returns,
-which covers such buffers; code that changes large tensors that way outside
-``optimizer.step()`` must call ``fence()`` first or use the ``copy`` mode.
+statistics). And torch bumps the counter when an op ends: an op still running
+when the copy ends is not seen, and its new values may be in the copy. The
+engine copies small tensors before ``save_async`` returns, which covers such
+buffers. That is why ``overlap`` is opt-in: code that changes large tensors
+other than through ``optimizer.step()`` must call ``fence()`` first, and the
+default (``copy``, ``fork``) captures the state before returning instead.
 """
 
 from __future__ import annotations

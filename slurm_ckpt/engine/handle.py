@@ -11,9 +11,12 @@ __all__ = ["SaveHandle"]
 class SaveHandle:
     """A save in flight. ``wait()`` returns the committed path or raises its error.
 
-    A failed save's error is logged when it happens, raised by ``wait()``,
-    and raised again by the next save (or only logged, with
-    ``storage.on_async_error: warn``).
+    A failed save's error is logged when it happens, and raised once, by
+    whichever comes first: this handle's ``wait()``, or the Checkpointer's
+    next save, ``preempted``, ``wait()`` or ``close()`` (those only log it
+    with ``storage.on_async_error: warn``, except ``wait()``). Once raised,
+    the Checkpointer does not raise it again; ``wait()`` has no path to
+    return, so it raises the error every time it is called.
     """
 
     def __init__(self, step: int, captured: threading.Event | None = None, mode: str = "sync") -> None:
@@ -24,11 +27,25 @@ class SaveHandle:
         self._captured = captured if captured is not None else threading.Event()
         self._path: Path | None = None
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._raised = False
 
     def _finish(self, path: Path | None, error: BaseException | None) -> None:
         self._path, self._error = path, error
         self._captured.set()  # a save that failed early must not leave a fence hanging
         self._done.set()
+
+    def _join(self, timeout: float | None = None) -> bool:
+        """Wait for the save without raising its error; True once it is done."""
+        return self._done.wait(timeout)
+
+    def _take_error(self) -> BaseException | None:
+        """The error of a finished save that nobody has raised yet; from now on it counts as raised."""
+        with self._lock:
+            if not self._done.is_set() or self._error is None or self._raised:
+                return None
+            self._raised = True
+            return self._error
 
     def done(self) -> bool:
         """True once the save is committed or has failed."""
@@ -41,11 +58,11 @@ class SaveHandle:
     def fence(self, timeout: float | None = None) -> None:
         """Block until the save no longer reads the trainer's tensors.
 
-        The opt-in ``lazy`` mode needs it before the next in-place update
-        (``optimizer.step()``). In ``overlap`` mode ``optimizer.step()`` waits
-        by itself; call it before changing large tensors any other way. In
-        the other modes the data was captured before ``save_async`` returned,
-        and it returns at once.
+        Only the opt-in modes need it: ``lazy`` before the next in-place
+        update (``optimizer.step()``); ``overlap`` before changing large
+        tensors other than through ``optimizer.step()``, which waits by
+        itself. In ``copy`` and ``fork`` (the default) the state was captured
+        before ``save_async`` returned, and it returns at once.
         """
         if not self._captured.wait(timeout):
             raise TimeoutError(f"save of step {self.step}: tensors not captured after {timeout}s")
@@ -55,6 +72,8 @@ class SaveHandle:
         if not self._done.wait(timeout):
             raise TimeoutError(f"save of step {self.step} still running after {timeout}s")
         if self._error is not None:
+            with self._lock:
+                self._raised = True
             raise self._error
         assert self._path is not None
         return self._path

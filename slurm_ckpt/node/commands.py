@@ -8,8 +8,6 @@ working directory and a timeout.
 from __future__ import annotations
 
 import logging
-import shutil
-import subprocess
 
 __all__ = ["SYSTEM_PATH", "run", "which"]
 
@@ -19,6 +17,8 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def which(name: str) -> str | None:
+    import shutil
+
     return shutil.which(name, path=SYSTEM_PATH)
 
 
@@ -27,6 +27,8 @@ def run(argv: list[str], timeout: float, pass_fds: tuple[int, ...] = ()) -> tupl
 
     ``pass_fds`` keep their numbers in the child, for ``/proc/self/fd/N`` arguments.
     """
+    import subprocess  # here: an epilog with nothing mounted runs no command at all
+
     exe = which(argv[0])
     if exe is None:
         return 127, f"{argv[0]}: not found in {SYSTEM_PATH}"

@@ -3,7 +3,9 @@
 Runs as root after the job ended; a requeued job stays COMPLETING until it
 returns, so the stage-out finishes before the job can start anywhere else.
 It never deletes the only copy of a checkpoint: when stage-out fails or runs
-out of time, scratch and its reservation are kept and the log says why.
+out of time, scratch and its reservation are kept and the log says why, until
+``scratch.keep_failed`` is up. Removal is bounded by the epilog's own
+deadline: what is left goes to the graveyard, never to a drained node.
 Running it twice is harmless.
 """
 
@@ -17,14 +19,14 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import ConfigError
-from ..store.tiers import fast_dir
-from . import cgroup, loopfs, quota
+from ..store.layout import fast_dir
+from . import cgroup, graveyard, loopfs, quota
 from .hook import HookContext, load_context, setup_logging
 from .job import InvalidJob
 from .ledger import Ledger
-from .mounts import cgroup_mount, mount_of
+from .mounts import cgroup_mount
 from .report import JobReport, report_path
-from .scratch import open_state_dir, remove_job_dir
+from .scratch import open_state_dir
 from .stageout import StageLimits, StageResult, stage_out
 
 __all__ = ["run_epilog"]
@@ -33,10 +35,16 @@ log = logging.getLogger("slurm_ckpt.node")
 
 CLEANUP_RESERVE = 5.0
 """Seconds of the epilog's budget kept for cleanup after the stage-out."""
+TAIL_RESERVE = 2.0
+"""Seconds kept after removing scratch: the quota, ledger, cgroup and metrics steps."""
 
 
 def run_epilog(env: Mapping[str, str] | None = None, cfg: Config | None = None) -> StageResult | None:
-    """Stage out and clean up after one job; return what the stage-out did (None: no scratch)."""
+    """Stage out and clean up after one job; return what the stage-out did (None: no scratch).
+
+    Only a node fault (the scratch base or its state dir unusable) raises;
+    nothing a user made in scratch can.
+    """
     setup_logging("epilog", "?")
     try:
         ctx = load_context("epilog", env, cfg, "epilog_timeout")
@@ -45,29 +53,39 @@ def run_epilog(env: Mapping[str, str] | None = None, cfg: Config | None = None) 
         return None
     base_fd = ctx.open_base()
     try:
-        os.close(open_state_dir(base_fd))
-        result = _stage_and_clean(ctx, base_fd)
-    except Exception:  # a bug here must not drain every node
-        log.exception("epilog failed; scratch %s left in place", ctx.scratch)
-        result = StageResult("failed", "epilog error")
+        state_fd = open_state_dir(base_fd)
+        ledger = Ledger(ctx.state_dir, 0)
+        try:
+            result = _stage_and_clean(ctx, base_fd, state_fd, ledger)
+        except Exception:  # a bug here must not drain every node
+            log.exception("epilog failed; scratch %s left in place", ctx.scratch)
+            result = StageResult("failed", "epilog error")
+        try:
+            if graveyard.due(ledger.snapshot, state_fd, ctx.cfg.scratch.keep_failed):
+                graveyard.start_reaper(ctx)
+        except Exception:
+            log.exception("cannot check the graveyard")
+        finally:
+            os.close(state_fd)
     finally:
         os.close(base_fd)
-    _remove_io_cgroup(ctx)
-    _remove_metrics(ctx)
+    for step in (_remove_io_cgroup, _remove_metrics):
+        try:
+            step(ctx)
+        except Exception:
+            log.exception("epilog step %s failed", step.__name__)
     log.info("epilog done in %.0f ms: %s", ctx.deadline.elapsed_ms(), result)
     return result
 
 
-def _stage_and_clean(ctx: HookContext, base_fd: int) -> StageResult | None:
+def _stage_and_clean(ctx: HookContext, base_fd: int, state_fd: int, ledger: Ledger) -> StageResult | None:
     job = ctx.job
     name = job.dir_name
-    ledger = Ledger(ctx.state_dir, 0)
     try:
         os.stat(name, dir_fd=base_fd, follow_symlinks=False)
     except FileNotFoundError:
         # Already cleaned (a second run), or the job got no scratch.
-        loopfs.unmount_image(ctx.base, name, ctx.deadline.left())
-        ledger.release(job.job_id)
+        _remove_scratch(ctx, base_fd, state_fd, ledger)
         _remove_report(ctx)
         return None
     if os.path.lexists(fast_dir(ctx.scratch)):
@@ -79,21 +97,67 @@ def _stage_and_clean(ctx: HookContext, base_fd: int) -> StageResult | None:
     _report_project_changes(ctx, base_fd)
     if not result.scratch_disposable:
         why = f"stage-out {result.status}: {result.detail}"
-        log.error("keeping scratch %s and its reservation: it may hold the only copy of "
-                  "a checkpoint (%s). Rerun the epilog or copy it by hand.", ctx.scratch, why)  # fmt: skip
-        ledger.set_kept(job.job_id, why[:500])
+        days = ctx.cfg.scratch.keep_failed / 86400
+        log.error("keeping scratch %s and its reservation for up to %.1f days (scratch.keep_failed): "
+                  "it may hold the only copy of a checkpoint (%r). Rerun the epilog or copy it by hand.",
+                  ctx.scratch, days, why[:2000])  # fmt: skip
+        ledger.set_kept(job.job_id, why[:500], job.restart_count)
         return result
-    loopfs.unmount_image(ctx.base, name, ctx.deadline.left())
-    left = remove_job_dir(base_fd, name)
-    if left:
-        log.warning("could not remove everything in %s: %s", ctx.scratch, "; ".join(left[:10]))
-    mount = mount_of(ctx.base)
-    if quota.has_project_quota(mount) and int(job.job_id) <= quota.MAX_PROJECT_ID:
-        assert mount is not None
-        quota.clear_project_limit(mount, int(job.job_id), ctx.deadline.left())
-    ledger.release(job.job_id)
+    _remove_scratch(ctx, base_fd, state_fd, ledger)
     _remove_report(ctx)
     return result
+
+
+def _remove_scratch(ctx: HookContext, base_fd: int, state_fd: int, ledger: Ledger) -> None:
+    """Unmount, bury and remove the job's scratch within the deadline; release its reservation
+    once the space is really free, else leave it with the graveyard entry that holds it."""
+    job, name = ctx.job, ctx.job.dir_name
+    image = None
+    held = loopfs.unmount_image(base_fd, state_fd, name, ctx.deadline.left(TAIL_RESERVE))
+    if held is not None:
+        os.close(held)
+        img_dir = loopfs.open_image_dir(state_fd)
+        try:
+            image = graveyard.bury(img_dir, f"{name}.img", state_fd)
+        finally:
+            os.close(img_dir)
+    # Renamed into the root-only graveyard first: the job's name is free at once,
+    # and no process of the user reaches the tree by path any more.
+    tree = graveyard.bury(base_fd, name, state_fd)
+    done = True
+    if tree is not None:
+        grave_fd = graveyard.open_grave(state_fd)
+        try:
+            out = graveyard.clear(grave_fd, tree, ctx.deadline.part(1.0, TAIL_RESERVE))
+        finally:
+            os.close(grave_fd)
+        done = out.done
+        if not done:
+            log.warning("scratch %s not removed within the epilog's deadline (%s); the rest is in the "
+                        "graveyard as %s, removed in the background", ctx.scratch, out, tree)  # fmt: skip
+    projid = _project_id(ctx)
+    if image is not None:
+        ledger.bury(job.job_id, image)
+    elif not done and tree is not None:
+        ledger.bury(job.job_id, tree, projid=projid)
+    else:
+        if projid is not None:
+            _clear_quota(ctx, projid)
+        ledger.release(job.job_id)
+
+
+def _project_id(ctx: HookContext) -> int | None:
+    """The job's project id, if the prolog set a project quota on its scratch."""
+    report = JobReport.read(report_path(ctx.state_dir, ctx.job.job_id))  # root's own file
+    return int(ctx.job.job_id) if report is not None and report.enforce == "quota" else None
+
+
+def _clear_quota(ctx: HookContext, projid: int) -> None:
+    from .mounts import mount_of
+
+    mount = mount_of(ctx.base)
+    if mount is not None:
+        quota.clear_project_limit(mount, projid, ctx.deadline.left())
 
 
 def _open_job_dir(ctx: HookContext, base_fd: int) -> int:

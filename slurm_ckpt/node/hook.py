@@ -31,6 +31,14 @@ class Deadline:
         """Seconds left, keeping ``reserve`` for what must still run after."""
         return max(0.0, self.end - time.monotonic() - reserve)
 
+    def part(self, fraction: float, reserve: float = 0.0) -> Deadline:
+        """A deadline for one step: ``fraction`` of what is left, keeping ``reserve``.
+
+        Steps run one after another each take a part of one deadline, so the
+        time a step does not use goes to the next, and no step gets it all.
+        """
+        return Deadline(fraction * self.left(reserve))
+
     def elapsed_ms(self) -> float:
         return (time.monotonic() - self.start) * 1000
 

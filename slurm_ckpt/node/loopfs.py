@@ -4,21 +4,42 @@ A filesystem image the size of the reservation, preallocated on the scratch
 disk and loop-mounted at ``<base>/job_<id>``: the kernel enforces the size with
 ENOSPC, and the space is really set aside. It needs no quota support in the
 kernel, which is why it exists next to project quotas (``scratch.enforce: loop``).
+
+Nothing here goes by a path a user could reach. The image is created with
+``O_EXCL | O_NOFOLLOW`` in the root-only image dir, opened through its fd; the
+loop device is bound to that fd (``LOOP_CONFIGURE``), ``mkfs`` runs on the
+device, and the device is mounted onto the job dir's fd. The device clears
+itself (autoclear) once the filesystem is really unmounted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
-from pathlib import Path
+import stat
+import struct
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ..errors import StorageError, storage_error
 from . import commands
-from .scratch import STATE_DIR
 
-__all__ = ["IMAGE_DIR", "is_mount_point", "mount_image", "unmount_image"]
+if TYPE_CHECKING:
+    from .hook import Deadline
+
+__all__ = [
+    "IMAGE_DIR",
+    "attached",
+    "is_mount_point",
+    "mkfs_argv",
+    "mount_image",
+    "open_image_dir",
+    "unmount_image",
+]
 
 log = logging.getLogger("slurm_ckpt.node")
 
@@ -26,11 +47,29 @@ IMAGE_DIR = "img"
 """Under the state dir: one ``job_<id>.img`` per job."""
 
 _MKFS = {
-    # -i 65536: checkpoints are few large files; fewer inodes leave more of the size usable.
-    "ext4": ["mkfs.ext4", "-q", "-F", "-m", "0", "-i", "65536",
-             "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"],
+    "ext4": ["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"],
     "xfs": ["mkfs.xfs", "-q", "-f", "-K"],
 }
+_BYTES_PER_INODE = 65536
+"""Checkpoints are few large files: fewer inodes leave more of the size usable."""
+_XFS_INODE = 512
+_FALLOCATE_CHUNK = 1024**3
+# The shares of the loop setup's time: preallocation, mkfs, then mount gets the rest.
+_SHARE_FALLOCATE, _SHARE_MKFS = 0.4, 0.6
+
+# <linux/loop.h>
+_LOOP_CTL_GET_FREE = 0x4C82
+_LOOP_CONFIGURE = 0x4C0A
+_LOOP_GET_STATUS64 = 0x4C05
+_LO_FLAGS_AUTOCLEAR = 4
+# struct loop_info64: device, inode, rdevice, offset, sizelimit, number,
+# encrypt_type, encrypt_key_size, flags, file_name[64], crypt_name[64], encrypt_key[32], init[2]
+_INFO = struct.Struct("=QQQQQIIII64s64s32s2Q")
+# struct loop_config: fd, block_size, info, reserved[8]
+_CONFIG = struct.Struct("=II" + _INFO.format[1:] + "8Q")
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_RELEASE_WAIT = 2.0
+"""Seconds a lazily detached image may take to be let go before it counts as still held."""
 
 
 def is_mount_point(base_fd: int, name: str) -> bool:
@@ -42,82 +81,239 @@ def is_mount_point(base_fd: int, name: str) -> bool:
     return st.st_dev != os.fstat(base_fd).st_dev
 
 
-def mount_image(base: Path, name: str, target_fd: int, size: int, fstype: str, timeout: float) -> None:
+def open_image_dir(state_fd: int) -> int:
+    """The root-only image dir under the state dir (mode 0700), by fd."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(IMAGE_DIR, 0o700, dir_fd=state_fd)
+    fd = os.open(IMAGE_DIR, _DIR, dir_fd=state_fd)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        raise StorageError(errno.EPERM, f"scratch image dir owned by uid {st.st_uid}; remove it", IMAGE_DIR)
+    os.fchmod(fd, 0o700)
+    return fd
+
+
+def mkfs_argv(fstype: str, device: str, size: int, max_inodes: int) -> list[str]:
+    """The mkfs command for a ``size``-byte image with at most ``max_inodes`` files (0: no cap)."""
+    if fstype == "ext4":
+        inodes = max(16, size // _BYTES_PER_INODE)
+        if max_inodes:
+            inodes = min(inodes, max_inodes)
+        return [*_MKFS["ext4"], "-N", str(inodes), device]
+    argv = list(_MKFS["xfs"])
+    if max_inodes:
+        # XFS allocates inodes as it goes: cap the space they may take instead.
+        pct = max(1, min(100, -(-max_inodes * _XFS_INODE * 100 // size)))
+        argv += ["-i", f"maxpct={pct}"]
+    return [*argv, device]
+
+
+def mount_image(state_fd: int, name: str, target_fd: int, size: int, fstype: str, max_inodes: int,
+                deadline: Deadline) -> None:  # fmt: skip
     """Make a ``size``-byte ``fstype`` image and mount it on the directory ``target_fd``.
 
     ``target_fd`` is ``<base>/<name>`` opened with ``O_NOFOLLOW``; the mount
     goes onto ``/proc/self/fd/N`` uncanonicalized, so it lands on that very
-    directory even if the name were swapped for a link meanwhile. The image
-    lives in the root-only ``<base>/.slurm-ckpt/img``; the mount is
-    nosuid,nodev so nothing the job writes there gains privileges.
+    directory even if the name were swapped for a link meanwhile. The mount is
+    nosuid,nodev so nothing the job writes there gains privileges. Each step
+    (preallocation, mkfs, mount) gets its share of ``deadline``, not all of it.
     """
     if fstype not in _MKFS:
         raise StorageError(errno.EINVAL, f"scratch.loop_fstype {fstype!r} not one of {sorted(_MKFS)}")
-    img_dir = base / STATE_DIR / IMAGE_DIR
-    img = img_dir / f"{name}.img"
-    mount = ["mount", "--no-canonicalize", "-t", fstype, "-o", "loop,nosuid,nodev,noatime", str(img),
-             f"/proc/self/fd/{target_fd}"]  # fmt: skip
-    try:
-        img_dir.mkdir(mode=0o700, exist_ok=True)
-        fd = os.open(img, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except FileExistsError:
-        # Kept by an epilog that could not stage out, then unmounted (a reboot):
-        # it may hold the only copy of a checkpoint, so mount it as it is.
-        rc, out = commands.run(mount, timeout, (target_fd,))
-        if rc == 0:
-            log.info("re-mounted kept scratch image %s", img)
-            return
-        aside = img.with_name(f"{img.name}.unmountable")
-        log.error("kept image %s does not mount (%s); moved to %s", img, out.strip(), aside)
-        os.replace(img, aside)
-        return mount_image(base, name, target_fd, size, fstype, timeout)
-    except OSError as e:
-        raise storage_error(e, "cannot create scratch image", img) from e
+    img = f"{name}.img"
+    img_dir = open_image_dir(state_fd)
     try:
         try:
-            # Preallocate: the reservation is then real blocks, not a promise
-            # that a filling disk could break later.
-            os.posix_fallocate(fd, 0, size)
+            fd = os.open(img, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=img_dir)  # fmt: skip
+        except FileExistsError:
+            # Kept by an epilog that could not stage out, then unmounted (a reboot):
+            # it may hold the only copy of a checkpoint, so mount it as it is.
+            if _mount_kept(img_dir, img, target_fd, fstype, deadline):
+                return
+            aside = f"{img}.unmountable-{int(time.time())}"
+            log.error("kept image %s does not mount; moved to %s", img, aside)
+            os.rename(img, aside, src_dir_fd=img_dir, dst_dir_fd=img_dir)
+            fd = os.open(img, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=img_dir)  # fmt: skip
         except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise storage_error(e, "cannot preallocate scratch image", img) from e
-            os.ftruncate(fd, size)
-    except BaseException:
-        img.unlink(missing_ok=True)
-        raise
+            raise storage_error(e, "cannot create scratch image", img) from e
+        try:
+            _preallocate(fd, img, size, deadline.part(_SHARE_FALLOCATE))
+            with _loop_device(fd) as device:
+                step = deadline.part(_SHARE_MKFS)
+                _run(mkfs_argv(fstype, device, size, max_inodes), step.left(), ())
+                _run(_mount_argv(fstype, device, target_fd), deadline.left(), (target_fd,))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(img, dir_fd=img_dir)
+            raise
+        finally:
+            os.close(fd)
+    finally:
+        os.close(img_dir)
+
+
+def _mount_kept(img_dir: int, img: str, target_fd: int, fstype: str, deadline: Deadline) -> bool:
+    fd = os.open(img, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=img_dir)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        with _loop_device(fd) as device:
+            rc, out = commands.run(_mount_argv(fstype, device, target_fd), deadline.left(), (target_fd,))
+        if rc == 0:
+            log.info("re-mounted kept scratch image %s", img)
+            return True
+        log.error("kept image %s: mount failed: %s", img, out.strip()[-300:])
+        return False
     finally:
         os.close(fd)
-    for argv in ([*_MKFS[fstype], str(img)], mount):
-        rc, out = commands.run(argv, timeout, (target_fd,))
-        if rc:
-            img.unlink(missing_ok=True)
-            # Not EIO: a missing mkfs or no free loop device costs this job its
-            # scratch, but is no reason to drain the node.
-            raise StorageError(errno.EOPNOTSUPP, f"{argv[0]} failed ({rc}): {out.strip()[-300:]}", img)
 
 
-def unmount_image(base: Path, name: str, timeout: float) -> None:
-    """Detach the filesystem on ``<base>/<name>`` and delete its image. Idempotent.
+def _mount_argv(fstype: str, device: str, target_fd: int) -> list[str]:
+    return ["mount", "--no-canonicalize", "-t", fstype, "-o", "nosuid,nodev,noatime", device,
+            f"/proc/self/fd/{target_fd}"]  # fmt: skip
 
-    The mount point is opened with ``O_NOFOLLOW`` and detached through
-    ``/proc/self/fd/N``, so a link planted at the name cannot point the
-    unmount elsewhere. Detaching is lazy (``MNT_DETACH``): the stage-out is
-    over, and a straggler holding a file must not keep the node's disk busy.
+
+def _run(argv: list[str], timeout: float, pass_fds: tuple[int, ...]) -> None:
+    rc, out = commands.run(argv, timeout, pass_fds)
+    if rc:
+        # Not EIO: a missing mkfs or a slow disk costs this job its scratch,
+        # but is no reason to drain the node.
+        raise StorageError(errno.EOPNOTSUPP, f"{argv[0]} failed ({rc}): {out.strip()[-300:]}", argv[-1])
+
+
+def _preallocate(fd: int, img: str, size: int, deadline: Deadline) -> None:
+    """Preallocate in pieces, so a slow disk stops at this step's share of the deadline.
+
+    The reservation is then real blocks, not a promise that a filling disk
+    could break later.
     """
-    base_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    done = 0
     try:
-        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=base_fd)
-    except OSError:
-        fd = -1  # absent, or not a plain directory: nothing of ours is mounted there
+        while done < size:
+            if deadline.left() <= 0:
+                raise StorageError(errno.ETIMEDOUT, f"preallocating {size} bytes took longer than "
+                                   "its share of scratch.prolog_timeout", img)  # fmt: skip
+            n = min(_FALLOCATE_CHUNK, size - done)
+            os.posix_fallocate(fd, done, n)
+            done += n
+    except OSError as e:
+        if isinstance(e, StorageError):
+            raise
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise storage_error(e, "cannot preallocate scratch image", img) from e
+        os.ftruncate(fd, size)
+
+
+@contextlib.contextmanager
+def _loop_device(image_fd: int) -> Iterator[str]:
+    """A free loop device bound to ``image_fd``, held open for the block; autoclear
+    frees it once nothing holds it (after the mount is gone, or at once if it never came)."""
+    ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
     try:
-        if fd >= 0 and os.fstat(fd).st_dev != os.fstat(base_fd).st_dev:
-            rc, out = commands.run(["umount", "--no-canonicalize", "-l", f"/proc/self/fd/{fd}"],
-                                   timeout, (fd,))  # fmt: skip
-            if rc:
-                raise StorageError(errno.EBUSY, f"cannot unmount scratch: {out.strip()}", base / name)
+        for _ in range(16):
+            n = fcntl.ioctl(ctl, _LOOP_CTL_GET_FREE)
+            try:
+                dev = os.open(f"/dev/loop{n}", os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue  # udev has not made the node yet
+            info = _INFO.pack(0, 0, 0, 0, 0, 0, 0, 0, _LO_FLAGS_AUTOCLEAR, b"", b"", b"", 0, 0)
+            try:
+                fcntl.ioctl(dev, _LOOP_CONFIGURE, _CONFIG.pack(image_fd, 0, *_INFO.unpack(info), *([0] * 8)))
+            except OSError as e:
+                os.close(dev)
+                if e.errno == errno.EBUSY:
+                    continue  # another hook took it between GET_FREE and CONFIGURE
+                raise storage_error(e, "cannot set up a loop device", f"/dev/loop{n}") from e
+            break
+        else:
+            raise StorageError(errno.EBUSY, "no free loop device", "/dev/loop-control")
     finally:
-        if fd >= 0:
-            os.close(fd)
-        os.close(base_fd)
-    with contextlib.suppress(FileNotFoundError):
-        (base / STATE_DIR / IMAGE_DIR / f"{name}.img").unlink()
+        os.close(ctl)
+    try:
+        yield f"/dev/loop{n}"
+    finally:
+        os.close(dev)
+
+
+def attached(fd: int) -> bool:
+    """Whether any loop device still holds the file ``fd`` (a lazily detached image)."""
+    st = os.fstat(fd)
+    try:
+        names = [n for n in os.listdir("/sys/block") if n.startswith("loop")]
+    except OSError:
+        return False
+    for n in names:
+        if not os.path.exists(f"/sys/block/{n}/loop"):
+            continue  # not bound
+        try:
+            dev = os.open(f"/dev/{n}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            info = _INFO.unpack(fcntl.ioctl(dev, _LOOP_GET_STATUS64, bytes(_INFO.size)))
+        except OSError:
+            continue
+        finally:
+            os.close(dev)
+        if (info[0], info[1]) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
+def _held(fd: int, wait: float) -> bool:
+    """Whether a loop device still holds the image ``fd`` after ``wait`` seconds."""
+    end = time.monotonic() + wait
+    while attached(fd):
+        if time.monotonic() >= end:
+            return True
+        time.sleep(0.05)  # autoclear runs in the kernel's own time; nothing to wait on but polling
+    return False
+
+
+def unmount_image(base_fd: int, state_fd: int, name: str, timeout: float, delete: bool = True) -> int | None:
+    """Unmount ``<base>/<name>`` and delete its image, once the filesystem is really gone.
+
+    Returns None when the image's blocks are free (or there was none), or an
+    fd of the image while some process still holds a file in it: the mount is
+    then detached lazily, so the job dir can go, but the blocks stay alive
+    until that process lets go, and the caller keeps the image (and its
+    reservation) in the graveyard until :func:`attached` says no more.
+    ``delete=False`` unmounts and leaves the image where it is.
+    """
+    mounted, lazy = is_mount_point(base_fd, name), False
+    if mounted:
+        # By name under the root-owned base, which no user can change; not by an
+        # fd, which would itself hold the mount busy.
+        path = f"/proc/self/fd/{base_fd}/{name}"
+        rc, out = commands.run(["umount", "--no-canonicalize", path], timeout, (base_fd,))
+        if rc and is_mount_point(base_fd, name):
+            log.warning("scratch %s is busy (%s): detached; its image stays reserved until "
+                        "the last process holding it lets go", name, out.strip()[-200:])  # fmt: skip
+            rc, out = commands.run(["umount", "--no-canonicalize", "-l", path], timeout, (base_fd,))
+            if rc:
+                raise StorageError(errno.EBUSY, f"cannot unmount scratch: {out.strip()}", name)
+            lazy = True
+    img_dir = open_image_dir(state_fd)
+    try:
+        try:
+            fd = os.open(f"{name}.img", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                         dir_fd=img_dir)  # fmt: skip
+        except FileNotFoundError:
+            return None
+        # Unmounted for real just now: the loop device lets go of the image as
+        # it clears itself, a moment later; detached lazily (now or by an
+        # earlier epilog): the blocks live on while anyone holds a file in it.
+        # What made the real unmount fail may have been only mounts inside (a
+        # user's dead FUSE mount), which the lazy detach took along: then the
+        # device lets go within moments too.
+        if (lazy and _held(fd, min(timeout, _RELEASE_WAIT))) or (not mounted and attached(fd)):
+            return fd
+        os.close(fd)
+        if delete:
+            os.unlink(f"{name}.img", dir_fd=img_dir)
+        return None
+    finally:
+        os.close(img_dir)

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import stat
-import subprocess
 import sys
 import threading
 import time
@@ -23,15 +22,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, IOLimits, job_dir_name
+from ..config import Config, IOLimits, format_size, job_dir_name
 from ..errors import ConfigError, StorageError, storage_error
-from . import cgroup, commands, loopfs, quota
+from . import cgroup, commands, graveyard, loopfs, quota
 from .hook import HookContext, load_context, setup_logging
 from .job import InvalidJob, comment_size
-from .ledger import Ledger
+from .ledger import GRAVE, Ledger
 from .mounts import block_device, cgroup_mount, mount_of
 from .report import JobReport
-from .scratch import make_job_dir, open_state_dir
+from .scratch import hand_over, make_job_dir, open_state_dir
 from .space import check_shared
 
 __all__ = ["run_prolog"]
@@ -76,23 +75,31 @@ def _prepare(ctx: HookContext, base_fd: int, state_fd: int) -> JobReport:
     job, sc = ctx.job, ctx.cfg.scratch
     report = JobReport(job.job_id)
     space = _start_space_check(ctx, report)
-    asked = comment_size(job, "ckpt_scratch", report.warnings) or sc.default_size
     vfs = os.fstatvfs(base_fd)
-    ledger = Ledger(ctx.state_dir, vfs.f_blocks * vfs.f_frsize, sc.headroom)
+    capacity = vfs.f_blocks * vfs.f_frsize
+    asked = comment_size(job, "ckpt_scratch", report.warnings) or sc.default_size
+    want = _capped(asked, sc.default_size, sc.max_size, max(0, capacity - sc.headroom), report.warnings)
+    ledger = Ledger(ctx.state_dir, capacity, sc.headroom)
 
-    def alive(job_id: str, entry: dict[str, Any]) -> bool:
+    def alive(key: str, entry: dict[str, Any]) -> bool:
+        if key.startswith(GRAVE):  # held until the reaper has removed it
+            return _exists(f"{graveyard.GRAVE_DIR}/{key[len(GRAVE):]}", state_fd)
         # A reservation younger than a prolog's time budget may still be making its dir.
         young = time.time() - float(entry.get("since", 0)) < 2 * sc.prolog_timeout
-        return young or os.path.lexists(ctx.base / job_dir_name(job_id))
+        return young or _exists(job_dir_name(key), base_fd)
 
-    grant = ledger.reserve(job.job_id, asked, uid=job.uid, policy=sc.over_reserve,
-                           min_size=sc.min_size, alive=alive)  # fmt: skip
-    report.asked, report.size = grant.asked, grant.size
+    def set_aside(job_id: str, entry: dict[str, Any]) -> str | None:
+        # The id came back for another job: the old job's kept scratch is not this one's.
+        return graveyard.set_aside_kept(base_fd, state_fd, job_dir_name(job_id))
+
+    grant = ledger.reserve(job.job_id, want, uid=job.uid, policy=sc.over_reserve, min_size=sc.min_size,
+                           restarts=job.restart_count, alive=alive, set_aside=set_aside)  # fmt: skip
+    report.asked, report.size = asked, grant.size
     if grant.warning:
         report.warnings.append(grant.warning)
     if grant.size:
         try:
-            report.enforce = _make_scratch(ctx, base_fd, grant.size)
+            report.enforce = _make_scratch(ctx, base_fd, state_fd, ledger, grant.size)
             report.scratch = str(ctx.scratch)
         except StorageError as e:
             if e.errno in NODE_FAULTS:
@@ -100,6 +107,8 @@ def _prepare(ctx: HookContext, base_fd: int, state_fd: int) -> JobReport:
             ledger.release(job.job_id)
             report.size = 0
             report.warnings.append(f"no node-local scratch on this node: {e.strerror}")
+    if graveyard.due(ledger.snapshot, state_fd, sc.keep_failed):
+        graveyard.start_reaper(ctx)
     report.io_cgroup = _io_limits(ctx)
     # The check runs since the start of _prepare; give it what is left of check_timeout.
     space.join(max(0.0, min(sc.check_timeout - ctx.deadline.elapsed_ms() / 1000, ctx.deadline.left())))
@@ -107,6 +116,29 @@ def _prepare(ctx: HookContext, base_fd: int, state_fd: int) -> JobReport:
         report.warnings.append(f"the checkpoint storage check did not finish in {sc.check_timeout:.0f}s "
                                f"({ctx.cfg.storage.root} slow or hung?)")  # fmt: skip
     return report
+
+
+def _capped(asked: int, default: int, max_size: int, reservable: int, warnings: list[str]) -> int:
+    """What to reserve for a job asking for ``asked`` bytes: at most ``max_size``, and the
+    default for a request no filesystem here could ever hold, never all that is free."""
+    if max_size and asked > max_size:
+        warnings.append(f"this job asked for {format_size(asked)} of node-local scratch; one job gets "
+                        f"at most {format_size(max_size)} on this node (scratch.max_size)")  # fmt: skip
+        return max_size
+    if not max_size and asked > reservable:
+        warnings.append(f"this job asked for {format_size(asked)} of node-local scratch, more than this "
+                        f"node could ever reserve ({format_size(reservable)}); it gets the default, "
+                        f"{format_size(default)}")  # fmt: skip
+        return min(default, reservable)
+    return asked
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _write_report(ctx: HookContext, report: JobReport, base_fd: int, state_fd: int) -> None:
@@ -129,10 +161,14 @@ def _write_report(ctx: HookContext, report: JobReport, base_fd: int, state_fd: i
                     "warnings are only here: %s", ctx.base, "; ".join(report.warnings) or "none")  # fmt: skip
 
 
-def _make_scratch(ctx: HookContext, base_fd: int, size: int) -> str:
-    """Create the job dir and enforce ``size`` on it; return how it is enforced."""
+def _make_scratch(ctx: HookContext, base_fd: int, state_fd: int, ledger: Ledger, size: int) -> str:
+    """Create the job dir, enforce ``size`` on it, then hand it over; return how it is enforced.
+
+    The limit goes on before the user gets the directory: no process of the
+    user can open it while it is still the unlimited base filesystem.
+    """
     job, sc = ctx.job, ctx.cfg.scratch
-    fd = make_job_dir(base_fd, job.dir_name, job.uid, job.gid)
+    fd = make_job_dir(base_fd, job.dir_name, job.uid)
     try:
         mode = sc.enforce
         mount = mount_of(ctx.base)
@@ -142,26 +178,44 @@ def _make_scratch(ctx: HookContext, base_fd: int, size: int) -> str:
             mode = "loop" if _loop_works(sc.loop_fstype) else "quota" if quota.has_project_quota(mount) else "none"
         if mode == "loop":
             if not loopfs.is_mount_point(base_fd, job.dir_name):
-                loopfs.mount_image(ctx.base, job.dir_name, fd, size, sc.loop_fstype, ctx.deadline.left(2.0))
+                loopfs.mount_image(state_fd, job.dir_name, fd, size, sc.loop_fstype, sc.max_inodes,
+                                   ctx.deadline.part(1.0, 2.0))  # fmt: skip
             os.close(fd)
             fd = -1
-            # The mounted filesystem's root is a new inode owned by root: hand it over too.
-            fd = make_job_dir(base_fd, job.dir_name, job.uid, job.gid)
+            _refuse_foreign_image(base_fd, state_fd, ledger, job.dir_name, job.uid)
+            # The mounted filesystem's root: made by mkfs (root's), or the job's own (kept).
+            fd = make_job_dir(base_fd, job.dir_name, job.uid)
         elif mode == "quota":
             if mount is None or not quota.has_project_quota(mount):
                 log.error("scratch.enforce is quota but %s is not mounted with prjquota", ctx.base)
-                return "none"
-            projid = int(job.job_id)
-            if projid > quota.MAX_PROJECT_ID:
-                return "none"
-            quota.set_project(fd, projid)
-            if why := quota.set_project_limit(mount, projid, size, ctx.deadline.left(2.0)):
-                log.error("cannot set project quota %d on %s: %s", projid, ctx.scratch, why)
-                return "none"
+                mode = "none"
+            elif int(job.job_id) > quota.MAX_PROJECT_ID:
+                mode = "none"
+            else:
+                projid = int(job.job_id)
+                quota.set_project(fd, projid)
+                if why := quota.set_project_limit(mount, projid, size, ctx.deadline.left(2.0), sc.max_inodes):
+                    log.error("cannot set project quota %d on %s: %s", projid, ctx.scratch, why)
+                    mode = "none"
+        hand_over(fd, job.uid, job.gid)
         return mode
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def _refuse_foreign_image(base_fd: int, state_fd: int, ledger: Ledger, name: str, uid: int) -> None:
+    """A kept image that the ledger lost track of, and another user's: set it aside for the
+    admin, never hand it to this job."""
+    st = os.stat(name, dir_fd=base_fd, follow_symlinks=False)
+    if st.st_uid in (uid, 0):
+        return
+    grave = graveyard.set_aside_kept(base_fd, state_fd, name)
+    if grave is not None:
+        ledger.hold(GRAVE + grave, {"size": 0, "uid": st.st_uid, "kept": "a kept image of another user "
+                                    "with no ledger entry", "kept_since": time.time()})  # fmt: skip
+    raise StorageError(errno.EEXIST, "a kept scratch image of another user was in the way; set aside "
+                       "for the admin", name)  # fmt: skip
 
 
 def _loop_works(fstype: str) -> bool:
@@ -237,6 +291,7 @@ def _spawn_v2(root: Path, rel: str, limits: IOLimits, device: tuple[int, int] | 
 
     A fresh interpreter, not a fork: the prolog has a thread running.
     """
+    import subprocess
     args = json.dumps({"root": str(root), "rel": rel, "limits": asdict(limits),
                        "device": device, "wait": wait})  # fmt: skip
     # slurmd reads the prolog's output until EOF, so the helper must not hold

@@ -29,6 +29,7 @@ __all__ = [
     "clear_project_limit",
     "get_project",
     "has_project_quota",
+    "limit_argv",
     "parse_quota_lines",
     "set_project",
     "set_project_limit",
@@ -153,21 +154,26 @@ def changed_projects(dir_fd: int, projid: int, *, seconds: float, max_entries: i
     return scan
 
 
-def _limit_argv(mount: Mount, projid: int, nbytes: int) -> list[str]:
+def limit_argv(mount: Mount, projid: int, nbytes: int, inodes: int = 0) -> list[str]:
+    """The command that sets ``projid``'s hard block and inode limits (0: none)."""
     if mount.fstype == "xfs":
-        return ["xfs_quota", "-x", "-c", f"limit -p bhard={nbytes} {projid}", mount.mount_point]
+        return ["xfs_quota", "-x", "-c", f"limit -p bhard={nbytes} ihard={inodes} {projid}", mount.mount_point]
     kib = -(-nbytes // 1024)
-    return ["setquota", "-P", str(projid), "0", str(kib), "0", "0", mount.mount_point]
+    return ["setquota", "-P", str(projid), "0", str(kib), "0", str(inodes), mount.mount_point]
 
 
-def set_project_limit(mount: Mount, projid: int, nbytes: int, timeout: float) -> str | None:
-    """Set the hard block limit of ``projid``; return None, or why it failed."""
-    rc, out = commands.run(_limit_argv(mount, projid, nbytes), timeout)
+def set_project_limit(mount: Mount, projid: int, nbytes: int, timeout: float, inodes: int = 0) -> str | None:
+    """Set the hard block and inode limits of ``projid``; return None, or why it failed.
+
+    The inode limit bounds how many entries a job can leave for the epilog
+    to remove, as the block limit bounds its bytes.
+    """
+    rc, out = commands.run(limit_argv(mount, projid, nbytes, inodes), timeout)
     return None if rc == 0 else f"{out.strip()[-300:]} (exit {rc})"
 
 
 def clear_project_limit(mount: Mount, projid: int, timeout: float) -> None:
-    """Remove the limit again (0 means none), so a reused project id starts clean."""
+    """Remove the limits again (0 means none), so a reused project id starts clean."""
     set_project_limit(mount, projid, 0, timeout)
 
 

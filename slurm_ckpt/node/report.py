@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import stat
 import struct
 import time
@@ -101,7 +100,7 @@ def _write_root_file(dir_fd: int, name: str, data: bytes, mode: int, reader: int
     The temp name is random and created with O_EXCL, the rename never follows
     a link at ``name``: ``dir_fd`` may be the job's own dir.
     """
-    tmp = f".{name}.{secrets.token_hex(6)}"
+    tmp = f".{name}.{os.urandom(6).hex()}"  # not secrets: it imports hashlib, on every hook's path
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     granted = not reader
     try:

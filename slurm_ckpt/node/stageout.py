@@ -21,20 +21,22 @@ import stat
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointCorrupt, SlurmCkptError
-from ..store import Candidate, RunDir, copy_checkpoint, verify_checkpoint
-from ..store.fsutil import read_small
-from ..store.layout import list_steps
-from ..store.manifest import MANIFEST, Manifest
-from ..store.retention import apply_retention
-from ..store.retry import prune_for_space, pruned_once
-from ..store.tiers import TIER_FILE
-from ..store.verify import plain_files
+from ..store.layout import TIER_FILE
 from .destination import Destination, open_destination
 from .escape import FIELD_LIMIT, escape
 from .job import Job
+from .scratch import mount_id
 from .userchild import run_as_user
+
+if TYPE_CHECKING:
+    from ..store import Candidate
+    from ..store.manifest import Manifest
+
+# The rest of the store is imported in the functions that use it, which only
+# the stage-out child calls: every epilog imports this module, few stage out.
 
 __all__ = [
     "TIER_FILE",
@@ -131,6 +133,8 @@ def read_tier(scratch_ckpt: Path) -> Tier | None:
     the path must be absolute. A ``keep`` that is not a whole number from 1 to
     ``_MAX_KEEP`` is ignored. Called with the user's privileges.
     """
+    from ..store.fsutil import read_small
+
     try:
         data = json.loads(read_small(scratch_ckpt / TIER_FILE, _MAX_TIER))
     except (OSError, ValueError):  # CheckpointCorrupt (not a regular file, too big) included
@@ -145,27 +149,48 @@ def read_tier(scratch_ckpt: Path) -> Tier | None:
     return Tier(Path(os.path.normpath(durable)), keep)
 
 
-def _screened(run_dir: Path, errors: list[str]) -> Iterator[Candidate]:
+def _screened(run_dir: Path, errors: list[str], mount: int | None = None) -> Iterator[Candidate]:
     """Checkpoints in ``run_dir`` that look valid, newest first (sizes and headers checked).
 
     The screen runs before the store opens anything: the manifest a regular
     file of bounded size, every file it names a regular file. A corrupt
-    checkpoint is skipped. One that cannot be read (EIO, EACCES) is skipped too
-    but noted in ``errors``: it might be good, so scratch must be kept.
+    checkpoint is skipped, and with ``mount``, so is one on another mount (a
+    user's FUSE mount inside scratch). One that cannot be read (EIO, EACCES)
+    is skipped too but noted in ``errors``: it might be good, so scratch must
+    be kept.
     """
+    from ..store import Candidate, verify_checkpoint
+    from ..store.layout import list_steps
+    from ..store.manifest import MANIFEST, Manifest
+    from ..store.verify import plain_files
+
     for step, path in list_steps(run_dir):
         try:
+            if mount is not None and _mount_of(path) != mount:
+                continue
             if not stat.S_ISDIR(os.lstat(path).st_mode) or not plain_files(path, [MANIFEST]):
                 continue
             if not plain_files(path, list(Manifest.read(path).files)):
                 continue
             man = verify_checkpoint(path, full=False)
-        except CheckpointCorrupt:
-            continue
         except OSError as e:
             errors.append(f"{path}: {e}")
             continue
+        except Exception:  # CheckpointCorrupt, or a malformed file the checks did not foresee
+            continue
         yield Candidate(step, path, man)
+
+
+def _mount_of(path: Path) -> int | None:
+    """The mount ``path`` is on, without a stat (which a user's FUSE mount may refuse)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return mount_id(fd)
+    finally:
+        os.close(fd)
 
 
 def newest_step(run_dir: Path) -> int | None:
@@ -194,30 +219,38 @@ def sparse_excess(path: Path, man: Manifest, limit: int) -> str | None:
 
 
 def _stage(scratch_ckpt: Path, default_durable: Path | None, limits: StageLimits, lock_timeout: float) -> StageResult:
+    scratch_mnt = _mount_of(scratch_ckpt.parent)
+    if _mount_of(scratch_ckpt) != scratch_mnt:
+        # Checked before anything is read there: a user's FUSE mount may never answer.
+        return StageResult("none", f"{scratch_ckpt} is a mount, not the job's scratch")
     tier = read_tier(scratch_ckpt)
     wanted = [tier.durable] if tier else []
     if default_durable is not None and Path(os.path.normpath(default_durable)) not in wanted:
         wanted.append(Path(os.path.normpath(default_durable)))
-    if not wanted:
-        return StageResult("failed", "no durable run dir: no TIER.json and no storage.root")
+    no_durable = StageResult("failed", "no durable run dir: no TIER.json and no storage.root")
     keep = tier.keep if tier else None
-    # Imported here: only the stage-out child needs it, not every prolog.
+    from ..store import RunDir, verify_checkpoint
+    from ..store.retention import apply_retention
     from .shardstage import has_shards, stage_shards
 
     if has_shards(scratch_ckpt):
         # A cross-node sharded job: this node's shards go to the durable staging dirs.
+        if not wanted:
+            return no_durable
         dest, refused = _destination(wanted, limits)
         if dest is None:
             return StageResult("failed", refused)
         res = stage_shards(scratch_ckpt, dest.path, lock_timeout, keep=keep, sparse_bytes=limits.sparse_bytes)
         return _shown(res, dest, refused)
     errors: list[str] = []
-    candidates = _screened(scratch_ckpt, errors)
+    candidates = _screened(scratch_ckpt, errors, scratch_mnt)
     first = next(candidates, None)
     if first is None:
         if errors:
             return StageResult("failed", "unreadable checkpoint(s): " + "; ".join(errors))
         return StageResult("none", f"no valid checkpoint in {scratch_ckpt}")
+    if not wanted:
+        return no_durable
     dest, refused = _destination(wanted, limits)
     if dest is None:
         return StageResult("failed", refused)
@@ -275,6 +308,8 @@ def _shown(res: StageResult, dest: Destination, refused: str) -> StageResult:
 def _copy_in(src: Path, durable: Path, keep: int | None) -> Path:
     """Copy a checkpoint into the durable run dir; with the job's ``keep``, make room
     on a full disk the way the job's own drain does."""
+    from ..store import copy_checkpoint
+    from ..store.retry import prune_for_space, pruned_once
 
     def prune() -> list[Path]:
         return prune_for_space(durable, keep) if keep else []
@@ -300,6 +335,8 @@ def stage_out(scratch_ckpt: Path, default_durable: Path | None, job: Job, timeou
         return json.dumps(asdict(replace(res, detail=escape(res.detail, 2 * FIELD_LIMIT)))).encode()
 
     out = run_as_user(job, work, timeout, name="stage-out", log_filter=_SHOWN)
+    if out.stopped:
+        return StageResult("failed", "the stage-out child was stopped (a SIGSTOP from the job's user?); killed")
     if out.timed_out:
         return StageResult("timeout", f"stage-out still running after {timeout:.0f}s; killed")
     return StageResult.from_child(out.result or b"")

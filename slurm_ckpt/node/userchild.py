@@ -45,6 +45,21 @@ class Outcome:
 
     result: bytes | None
     timed_out: bool
+    stopped: bool = False
+    """Killed because it was stopped: it runs as the user, so the user can SIGSTOP it, and
+    waiting for it then would only hold the hook up until its deadline."""
+
+
+_POLL = 0.2
+"""Seconds between looks at whether the child was stopped, while it is silent."""
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        info = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return info is not None and info.si_code == os.CLD_STOPPED
 
 
 def _keep_only(out_fd: int, result_fd: int) -> None:
@@ -106,10 +121,11 @@ def _reap(pid: int, wait: float) -> None:
         time.sleep(0.01)
 
 
-def _collect(result_fd: int, out_fd: int, timeout: float) -> tuple[bytes | None, bytes, int]:
-    """Read the child's result and output until both end; (None, ...) if ``timeout`` passes first.
+def _collect(pid: int, result_fd: int, out_fd: int, timeout: float) -> tuple[bytes | None, bytes, int, bool]:
+    """Read the child's result and output until both end; (None, ...) if ``timeout`` passes
+    first, or the child is stopped (the last item then True).
 
-    Returns (result, the first OUTPUT_LIMIT bytes of output, bytes of output dropped).
+    Returns (result, the first OUTPUT_LIMIT bytes of output, bytes of output dropped, stopped).
     Output past the cap is read and thrown away, so a chatty child never blocks on it.
     """
     result, output, dropped = b"", b"", 0
@@ -118,8 +134,11 @@ def _collect(result_fd: int, out_fd: int, timeout: float) -> tuple[bytes | None,
     while open_fds:
         left = deadline - time.monotonic()
         if left <= 0:
-            return None, output, dropped
-        for fd in select.select(list(open_fds), [], [], left)[0]:
+            return None, output, dropped, False
+        ready = select.select(list(open_fds), [], [], min(left, _POLL))[0]
+        if not ready and _stopped(pid):
+            return None, output, dropped, True
+        for fd in ready:
             chunk = os.read(fd, 65536)
             if not chunk:
                 open_fds.discard(fd)
@@ -129,7 +148,7 @@ def _collect(result_fd: int, out_fd: int, timeout: float) -> tuple[bytes | None,
                 room = max(0, OUTPUT_LIMIT - len(output))
                 output += chunk[:room]
                 dropped += len(chunk) - min(room, len(chunk))
-    return result, output, dropped
+    return result, output, dropped, False
 
 
 def _relay(name: str, output: bytes, dropped: int) -> None:
@@ -164,7 +183,7 @@ def run_as_user(job: Job, work: Callable[[], bytes], timeout: float, *, name: st
     os.close(result_w)
     os.close(out_w)
     try:
-        result, output, dropped = _collect(result_r, out_r, timeout)
+        result, output, dropped, stopped = _collect(pid, result_r, out_r, timeout)
         if result is None:
             os.kill(pid, signal.SIGKILL)
     finally:
@@ -172,4 +191,4 @@ def run_as_user(job: Job, work: Callable[[], bytes], timeout: float, *, name: st
         os.close(out_r)
     _reap(pid, 5.0)
     _relay(name, output, dropped)
-    return Outcome(result or None, result is None)
+    return Outcome(result or None, result is None and not stopped, stopped)

@@ -5,18 +5,19 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import storage_error
-from .commit import WriteFn, commit
-from .lock import RunDirLock
-from .manifest import Manifest
-from .retention import apply_retention, remove_stale_tmp
-from .transfer import copy_checkpoint
-from .verify import Candidate, Skipped, find_latest, iter_valid, note_skip, verify_checkpoint
-from .writer import load_state
+
+if TYPE_CHECKING:
+    from .commit import WriteFn
+    from .manifest import Manifest
+    from .transfer import copy_checkpoint
+    from .verify import Candidate, Skipped, find_latest, iter_valid, note_skip, verify_checkpoint
+    from .writer import load_state
 
 __all__ = [
     "Candidate",
@@ -33,10 +34,41 @@ __all__ = [
 ]
 
 
+# Each name is imported on first use: the node hooks import one small module
+# of the store (the step names), and a package that loaded the whole store
+# first would cost every prolog the writer, the reader and the codecs.
+_HOME = {
+    "Candidate": "verify",
+    "Manifest": "manifest",
+    "Skipped": "verify",
+    "WriteFn": "commit",
+    "copy_checkpoint": "transfer",
+    "find_latest": "verify",
+    "iter_valid": "verify",
+    "load_state": "writer",
+    "note_skip": "verify",
+    "verify_checkpoint": "verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
 class RunDir:
     """A directory of ``step-N`` checkpoints with one writer at a time."""
 
     def __init__(self, path: str | Path, *, lock_timeout: float | None = 0) -> None:
+        from .lock import RunDirLock
+
         self.path = Path(path).absolute()
         self._lock = RunDirLock(self.path, lock_timeout)
 
@@ -51,6 +83,8 @@ class RunDir:
 
     def lock(self) -> None:
         """Take the writer lock (once) and clear temp dirs left by dead writers."""
+        from .retention import remove_stale_tmp
+
         if not self._lock.held:
             self.ensure()
             self._lock.acquire()
@@ -60,6 +94,8 @@ class RunDir:
         self._lock.release()
 
     def commit(self, step: int, write: WriteFn, **meta: Any) -> Path:
+        from .commit import commit
+
         self.lock()
         return commit(self.path, step, write, **meta)
 
@@ -69,7 +105,11 @@ class RunDir:
         Old checkpoints vanish at once; their files are deleted in the background
         (``retention.reaped()`` waits for that).
         """
+        from .retention import apply_retention
+
         return apply_retention(self.path, keep, protect=protect, later=True)
 
     def latest(self, *, full: bool = True, skipped: list[Skipped] | None = None) -> Candidate | None:
+        from .verify import find_latest
+
         return find_latest([self.path], full=full, skipped=skipped)

@@ -1,18 +1,38 @@
-"""Names inside a run dir: committed ``step-N`` dirs and in-flight ``.tmp-`` dirs."""
+"""Names inside a run dir (committed ``step-N`` dirs, in-flight ``.tmp-`` dirs) and in a job's
+scratch (the fast tier's run dir, its tier file).
+
+The node hooks import this module alone, so it imports nothing of the store.
+"""
 
 from __future__ import annotations
 
 import os
 import re
-import secrets
-import socket
 from pathlib import Path
 
-__all__ = ["LOCK_NAME", "list_steps", "step_dir", "tmp_dir_for", "tmp_dir_owner", "tmp_dir_step"]
+__all__ = [
+    "FAST_SUBDIR",
+    "LOCK_NAME",
+    "TIER_FILE",
+    "fast_dir",
+    "list_steps",
+    "step_dir",
+    "tmp_dir_for",
+    "tmp_dir_owner",
+    "tmp_dir_step",
+]
 
 STEP_RE = re.compile(r"^step-(\d{9,})$")
 TMP_RE = re.compile(r"^\.tmp-step-(\d+)-(?P<host>[^/]+)-(?P<pid>\d+)-[0-9a-f]+$")
 LOCK_NAME = ".lock"
+TIER_FILE = "TIER.json"
+"""In a job's scratch run dir: where its checkpoints go, and how many it keeps (see ``tiers``)."""
+FAST_SUBDIR = "ckpt"
+
+
+def fast_dir(scratch: Path) -> Path:
+    """The fast tier's run dir inside a job's scratch dir."""
+    return scratch / FAST_SUBDIR
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -24,8 +44,8 @@ def step_dir(run_dir: Path, step: int) -> Path:
 def tmp_dir_for(parent: Path, name: str) -> Path:
     """A fresh in-flight name for ``parent/name``; host and pid in it let a later
     writer tell if it is stale (``.tmp-step-N-…`` in a run dir)."""
-    host = socket.gethostname().replace("-", "_")
-    return parent / f".tmp-{name}-{host}-{os.getpid()}-{secrets.token_hex(4)}"
+    host = os.uname().nodename.replace("-", "_")  # socket.gethostname(), without importing socket
+    return parent / f".tmp-{name}-{host}-{os.getpid()}-{os.urandom(4).hex()}"
 
 
 def tmp_dir_owner(name: str) -> tuple[str, int] | None:

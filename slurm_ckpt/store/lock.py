@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import filelock
 
 from .._env import job_id
 from ..errors import LockHeld, storage_error
+from .fsutil import read_small
 from .layout import LOCK_NAME
 
 __all__ = ["RunDirLock"]
@@ -47,16 +49,25 @@ class RunDirLock:
             raise storage_error(e, "cannot lock run dir (does the filesystem support flock?)", self.path) from e
         note = {"host": socket.gethostname(), "pid": os.getpid(),
                 "job_id": job_id(), "since": time.time()}  # fmt: skip
-        # The note is advisory; the lock itself is what protects.
+        # The note is advisory; the lock itself is what protects. Never blocking:
+        # a FIFO planted at its name must not hang the writer (or the epilog's
+        # stage-out) waiting for a reader.
         with contextlib.suppress(OSError):
-            self.owner_path.write_text(json.dumps(note))
+            fd = os.open(self.owner_path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC, 0o644)  # fmt: skip
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.ftruncate(fd, 0)
+                    os.write(fd, json.dumps(note).encode())
+            finally:
+                os.close(fd)
 
     def holder(self) -> str:
         try:
-            note = json.loads(self.owner_path.read_text())
+            note = json.loads(read_small(self.owner_path, 4096))
             job = f", job {note['job_id']}" if note.get("job_id") else ""
             return f"pid {note['pid']} on {note['host']}{job}"
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return "holder unknown"
 
     def release(self) -> None:

@@ -132,12 +132,29 @@ def read_header(f: Any, path: Path, size: int) -> tuple[bytes, dict[str, Any]]:
         raise CheckpointCorrupt(f"{path}: header is not valid JSON ({e})", path) from None
     if not isinstance(header, dict):
         raise CheckpointCorrupt(f"{path}: header is not a JSON object", path)
+    for key, info in header.items():
+        if key != "__metadata__" and not _valid_entry(info):
+            # Anything a reader would index into, checked here: a header
+            # missing its offsets is a corrupt file, not a KeyError.
+            raise CheckpointCorrupt(f"{path}: header entry {key[:100]!r} has no valid dtype, shape "
+                                    "and data_offsets", path)  # fmt: skip
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end != size:
         raise CheckpointCorrupt(
             f"{path}: size {size} does not match the header's {8 + n + end} bytes", path
         )
     return raw + body, header
+
+
+def _valid_entry(info: Any) -> bool:
+    if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
+        return False
+    offsets, shape = info.get("data_offsets"), info.get("shape")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not isinstance(shape, list):
+        return False
+    if not all(type(x) is int for x in (*offsets, *shape)):
+        return False
+    return 0 <= offsets[0] <= offsets[1] and all(x >= 0 for x in shape)
 
 
 def read_tensors(

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from ..errors import storage_error
 from .drainer import Drainer
 from .fsutil import fsync_dir, write_file_durably
+from .layout import FAST_SUBDIR, TIER_FILE, fast_dir
 from .manifest import MANIFEST
 from .retry import RetryPolicy, prune_for_space, pruned_once, retry_call
 from .transfer import copy_checkpoint
@@ -47,15 +48,6 @@ if TYPE_CHECKING:
 __all__ = ["FAST_SUBDIR", "TIER_FILE", "Tiers", "fast_dir", "read_dirs", "usable_scratch"]
 
 log = logging.getLogger("slurm_ckpt")
-
-FAST_SUBDIR = "ckpt"
-TIER_FILE = "TIER.json"
-
-
-def fast_dir(scratch: Path) -> Path:
-    """The fast tier's run dir inside a job's scratch dir."""
-    return scratch / FAST_SUBDIR
-
 
 def usable_scratch(scratch: Path | None) -> Path | None:
     """``scratch`` if it is an existing directory this process can write, else None."""

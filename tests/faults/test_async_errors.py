@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from slurm_ckpt import Checkpointer, StorageError
+from slurm_ckpt import Checkpointer, SaveHandle, StorageError
 from slurm_ckpt.store.layout import list_steps
 from tests.faultfs import FaultFS
 from tests.faults.helpers import check_state, state
@@ -91,3 +91,70 @@ def test_warn_policy_logs_and_training_goes_on(
         ckpt.save_async(state(4), step=4)
         with pytest.raises(StorageError):
             ckpt.wait()
+
+
+def failed_save(faultfs: FaultFS, ckpt: Checkpointer, step: int) -> SaveHandle:
+    """A save_async that fails for real (a read-only filesystem), and has finished."""
+    with faultfs.faults(EROFS):
+        h = ckpt.save_async(state(step), step=step)
+        wait_done(h)
+    return h
+
+
+def logged(caplog: pytest.LogCaptureFixture, step: int, level: int) -> int:
+    return sum(f"background save of step {step} failed" in r.getMessage() and r.levelno == level
+               for r in caplog.records)  # fmt: skip
+
+
+def test_an_error_that_handle_wait_raised_is_not_raised_again(
+    faultfs: FaultFS, fault_dir: Path, make_ckpt: Callable[..., Checkpointer], caplog: pytest.LogCaptureFixture
+) -> None:
+    ckpt = make_ckpt(fault_dir, on_async_error="raise")
+    h = failed_save(faultfs, ckpt, 1)
+    with pytest.raises(StorageError):
+        h.wait()
+    with pytest.raises(StorageError):  # the handle has no path to give: asked again, it says why
+        h.wait()
+    assert ckpt.preempted is False  # the next step boundary does not raise it again,
+    ckpt.wait()  # nor an explicit wait for every save,
+    ckpt.save_async(state(2), step=2).wait(30)  # nor the next save
+    h = failed_save(faultfs, ckpt, 3)
+    with pytest.raises(StorageError):
+        h.wait()
+    ckpt.close()  # nor close()
+    assert logged(caplog, 1, logging.ERROR) == 1 and logged(caplog, 3, logging.ERROR) == 1
+    assert sorted(s for s, _ in list_steps(fault_dir)) == [2]
+
+
+@pytest.mark.parametrize("first", ["next save", "preempted", "close", "ckpt.wait"])
+def test_an_error_nobody_waited_for_is_raised_by_whichever_comes_first_and_only_there(
+    faultfs: FaultFS, fault_dir: Path, make_ckpt: Callable[..., Checkpointer], first: str
+) -> None:
+    ckpt = make_ckpt(fault_dir, on_async_error="raise")
+    failed_save(faultfs, ckpt, 1)
+    assert ckpt.drain(30) is False  # says the save failed, and leaves its error to be raised
+    surfaces: dict[str, Callable[[], object]] = {
+        "next save": lambda: ckpt.save(state(2), step=2),
+        "preempted": lambda: ckpt.preempted,
+        "close": ckpt.close,
+        "ckpt.wait": ckpt.wait,
+    }
+    with pytest.raises(StorageError):
+        surfaces[first]()
+    rest = [name for name in surfaces if name != first]
+    if first == "close":
+        rest.remove("next save")  # a closed Checkpointer refuses to save
+    for name in rest:  # every one after the first is quiet
+        surfaces[name]()
+
+
+def test_warn_policy_logs_an_unwaited_error_once_and_never_raises_it(
+    faultfs: FaultFS, fault_dir: Path, make_ckpt: Callable[..., Checkpointer], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "slurm_ckpt")
+    ckpt = make_ckpt(fault_dir, on_async_error="warn")
+    failed_save(faultfs, ckpt, 1)
+    assert ckpt.preempted is False
+    ckpt.close()
+    assert logged(caplog, 1, logging.ERROR) == 1  # when it happened
+    assert logged(caplog, 1, logging.WARNING) == 1  # where it would have been raised

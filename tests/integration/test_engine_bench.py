@@ -31,9 +31,11 @@ def test_bench_smoke_8m(tmp_path: Path) -> None:
                        ("write", "ours sync"), ("read", "ours"), ("read", "ours mmap"), ("read", "torch.load"),
                        ("read", "ours, into existing tensors"), ("read", "DCP, into existing tensors"),
                        ("async", "ours async auto"), ("async", "ours async overlap"), ("async", "ours async lazy"),
+                       ("memcpy", "memcpy floor, 1 thread"),
                        ("small-write", "ours sync (10k tensors)"), ("small-read", "ours (10k tensors)")]:  # fmt: skip
         assert (kind, name) in names
     assert any(k == "write" and n.startswith("DCP") for k, n in names)
+    assert any(k == "memcpy" and n.startswith("memcpy of each tensor") for k, n in names)
     # The methods run in a shuffled order; the report lists them in a fixed one.
     writes = [r["name"] for r in doc["results"] if r["kind"] == "write"]
     reads = [r["name"] for r in doc["results"] if r["kind"] == "read"]
@@ -42,15 +44,15 @@ def test_bench_smoke_8m(tmp_path: Path) -> None:
     for r in doc["results"]:
         assert len(r["times"]) == 1 and r["times"][0] > 0, r
     assert 0.85 * (8 << 20) <= doc["info"]["nbytes"] <= 1.15 * (8 << 20)
-    assert doc["info"]["auto_chose"] == "overlap"
-    assert "ours async auto (overlap)" in res.output
-    assert "x raw" in res.output and "x torch.save" in res.output and "stall" in res.output
+    assert doc["info"]["auto_chose"] == "copy"
+    assert "ours async auto (copy)" in res.output
+    assert "x raw" in res.output and "x torch.save" in res.output and "x memcpy" in res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in d.iterdir()] == []  # nothing left behind
 
 
 def test_report_gives_median_and_best_repetition_ratios_to_the_raw_limit() -> None:
-    from slurm_ckpt.engine.report import format_table
+    from slurm_ckpt.bench import format_table
 
     def row(name: str, times: list[float], kind: str = "write") -> dict[str, object]:
         return {"name": name, "kind": kind, "nbytes": 10**9, "times": times, "extra": {},
@@ -65,3 +67,24 @@ def test_report_gives_median_and_best_repetition_ratios_to_the_raw_limit() -> No
     # best x raw: the fastest raw repetition (0.20) / ours' fastest (0.25).
     assert ours[2:] == ["0.500", "2.00", "0.60", "2.00", "0.80"], ours
     assert "best x raw" in text
+
+
+def test_report_sets_each_stall_against_the_faster_memcpy_floor() -> None:
+    from slurm_ckpt.bench import format_table
+
+    def row(name: str, kind: str, median: float) -> dict[str, object]:
+        return {"name": name, "kind": kind, "nbytes": 10**9, "times": [median], "median": median,
+                "extra": {"durable": [0.5], "stall_with_fence": [median], "staging_bytes": [10**9]}}  # fmt: skip
+
+    doc = {"info": {"nbytes": 10**9, "tensors": 1, "reps": 1, "dir": "/d", "cores": 2, "auto_chose": "copy"},
+           "results": [row("raw O_DIRECT", "write", 0.3), row("ours sync", "write", 0.4),
+                       row("ours async auto", "async", 0.066), row("memcpy floor, 1 thread", "memcpy", 0.060),
+                       row("memcpy floor, 2 threads", "memcpy", 0.055),
+                       row("memcpy of each tensor, 2 threads", "memcpy", 0.050)]}  # fmt: skip
+    lines = format_table(doc).splitlines()
+    auto = next(line.split() for line in lines if "ours async auto (copy)" in line)
+    assert auto[4:7] == ["0.0660", "1.20", "0.165"], auto  # stall, x the 2-thread floor, x sync
+    one = next(line.split() for line in lines if "memcpy floor, 1 thread" in line)
+    assert one[4:7] == ["0.0600", "1.09", "0.150"], one
+    each = next(line.split() for line in lines if "memcpy of each tensor" in line)  # not a floor
+    assert each[6:9] == ["0.0500", "0.91", "0.125"], each

@@ -123,8 +123,6 @@ def test_kill9_of_the_forked_writer_fails_that_save_and_nothing_else(fault_dir: 
                 h.wait()
         assert not alive(writer)
         assert not [n for n in os.listdir(fault_dir) if n.startswith(".tmp-")]
-        with pytest.raises(SlurmCkptError):
-            ck.save(state(3), step=3)  # the failure surfaces on the next save too ...
-        ck.save(state(3), step=3)  # ... once; then saving goes on
+        ck.save(state(3), step=3)  # raised once, by wait(): saving goes on
     assert find_latest([fault_dir]).step == 3  # type: ignore[union-attr]
     check(fault_dir / "step-000000001", 1)

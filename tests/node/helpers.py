@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,31 @@ def owned_tree(path: Path, user: User) -> None:
     """Make ``path`` (and parents up to an existing one) a dir owned by ``user``."""
     path.mkdir(parents=True, exist_ok=True)
     os.chown(path, user.uid, user.gid)
+
+
+@contextlib.contextmanager
+def fuse_of(user: User, path: Path, *, hung: bool) -> Iterator[None]:
+    """A FUSE mount on ``path`` that ``user`` owns, with no daemon behind it.
+
+    Root's stat of it fails with EACCES either way: it is not mounted
+    allow_other. ``hung=True``: the device stays open and nothing ever
+    answers, so every call the user makes there waits, as on a hung NFS
+    server (a fatal signal still ends it). ``hung=False``: the device is
+    closed at once, as when the job's FUSE daemon died with the job; the
+    mount stays. Unmounted lazily afterwards.
+    """
+    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        sh("mount", "-i", "-t", "fuse", "-o", f"fd={fd},rootmode=40000,user_id={user.uid},group_id={user.gid}",
+           f"fuse-of-{user.name}", str(path), pass_fds=(fd,))  # fmt: skip
+        if not hung:
+            os.close(fd)
+            fd = -1
+        yield
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        sh("umount", "-l", str(path), check=False)
 
 
 def craft_ckpt(run_dir: Path, step: int, files: dict[str, bytes | int], owner: User | None = None,

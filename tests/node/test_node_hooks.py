@@ -19,7 +19,7 @@ from slurm_ckpt.node.scratch import STATE_DIR
 from slurm_ckpt.node.stageout import StageResult
 from slurm_ckpt.store import find_latest, verify_checkpoint
 from slurm_ckpt.store.layout import list_steps
-from tests.node.helpers import User, make_cfg, owned_tree, sh, write_ckpt
+from tests.node.helpers import User, fuse_of, make_cfg, owned_tree, sh, write_ckpt
 
 MiB = 2**20
 
@@ -96,18 +96,26 @@ def test_failed_stage_out_keeps_scratch_and_reservation_until_a_rerun(pub_tmp: P
     assert not (base / "job_103").exists() and "103" not in ledger(base)
 
 
-def _stop_child_running_as(uid: int, deadline: float) -> int:
-    """SIGSTOP our forked child once it has dropped to ``uid``: a stage-out that
-    hangs for real, as one stuck in a D-state write on a dead NFS server would."""
+def _children_as(uid: int) -> set[int]:
+    """Our live (not zombie) child processes running as ``uid``."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            status = (proc / "status").read_text() if proc.name.isdigit() else ""
+        except OSError:
+            continue
+        if f"\nPPid:\t{os.getpid()}\n" in status and f"\nUid:\t{uid}\t" in status and "\nState:\tZ" not in status:
+            found.add(int(proc.name))
+    return found
+
+
+def _child_running_as(uid: int, deadline: float, before: set[int]) -> int:
+    """The pid of a new child of ours once it has dropped to ``uid`` (the stage-out child);
+    ``before``: children that were there already (a test user's uid may be an earlier one's)."""
     while time.monotonic() < deadline:
-        for proc in Path("/proc").iterdir():
-            try:
-                status = (proc / "status").read_text() if proc.name.isdigit() else ""
-            except OSError:
-                continue
-            if f"\nPPid:\t{os.getpid()}\n" in status and f"\nUid:\t{uid}\t" in status:
-                os.kill(int(proc.name), signal.SIGSTOP)
-                return int(proc.name)
+        new = _children_as(uid) - before
+        if new:
+            return new.pop()
         time.sleep(0.005)
     raise AssertionError("the stage-out child never appeared")
 
@@ -117,23 +125,43 @@ def test_stage_out_past_its_deadline_is_killed_and_scratch_kept(pub_tmp: Path, s
     durable = root / user.name / "job_104"
     owned_tree(root / user.name, user)
     owned_tree(durable, user)
-    # Another writer holds the durable run dir, so the stage-out child waits on
-    # its lock long enough for us to stop it there: it then never returns.
-    user.run("touch", str(durable / ".lock"))
     cfg = make_cfg(base, root, epilog_timeout=6.5)  # 1.5 s for stage-out, 5 s kept for cleanup
     env = user.env("104")
     run_prolog(env, cfg)
     write_ckpt(base / "job_104" / "ckpt", 3, owner=user)
+    # The durable run dir hangs for real, as on a dead NFS server: the child's
+    # first look at it never returns.
+    with fuse_of(user, durable, hung=True):
+        res = run_epilog(env, cfg)
+    assert isinstance(res, StageResult) and res.status == "timeout"
+    assert (base / "job_104" / "ckpt" / "step-000000003").is_dir()
+    kept = ledger(base)["104"]
+    assert "timeout" in str(kept["kept"]) and kept["restarts"] == 0 and kept["uid"] == user.uid
+
+
+def test_a_stopped_stage_out_is_not_waited_for(pub_tmp: Path, user: User) -> None:
+    """The child runs as the user, so the user can SIGSTOP it; the epilog sees it stopped
+    and kills it instead of waiting out the stage-out's whole deadline."""
+    base, root = pub_tmp / "scratch", pub_tmp / "shared"
+    durable = root / user.name / "job_105"
+    owned_tree(durable, user)
+    user.run("touch", str(durable / ".lock"))
+    cfg = make_cfg(base, root, epilog_timeout=600)
+    env = user.env("105")
+    run_prolog(env, cfg)
+    write_ckpt(base / "job_105" / "ckpt", 3, owner=user)
     result: list[object] = []
+    # The child waits on the durable dir's lock while we stop it there.
+    before = _children_as(user.uid)
     with filelock.FileLock(str(durable / ".lock")):
         t = threading.Thread(target=lambda: result.append(run_epilog(env, cfg)))
         t.start()
-        _stop_child_running_as(user.uid, time.monotonic() + 5)
-        t.join(timeout=30)
+        os.kill(_child_running_as(user.uid, time.monotonic() + 30, before), signal.SIGSTOP)
+        t.join(timeout=60)  # hang guard: without the check it would wait 595 s
     res = result[0] if result else None
-    assert isinstance(res, StageResult) and res.status == "timeout"
-    assert (base / "job_104" / "ckpt" / "step-000000003").is_dir()
-    assert "timeout" in str(ledger(base)["104"]["kept"])
+    assert isinstance(res, StageResult) and res.status == "failed" and "stopped" in res.detail
+    assert (base / "job_105" / "ckpt" / "step-000000003").is_dir()
+    assert "stopped" in str(ledger(base)["105"]["kept"])
 
 
 def test_over_reservation_warns_and_shrinks_or_gives_none(loop_fs: Callable[..., Path], user: User,
@@ -242,6 +270,7 @@ def test_epilog_removes_only_this_jobs_metrics_files(pub_tmp: Path, user: User) 
 def test_loop_mount_lands_on_the_opened_dir_even_if_the_name_is_swapped(
     loop_fs: Callable[..., Path], pub_tmp: Path
 ) -> None:
+    from slurm_ckpt.node.hook import Deadline
     from slurm_ckpt.node.loopfs import mount_image, unmount_image
 
     base = loop_fs("ext4", "256M")
@@ -250,17 +279,24 @@ def test_loop_mount_lands_on_the_opened_dir_even_if_the_name_is_swapped(
     victim.mkdir()
     (base / "job_9").mkdir()
     fd = os.open(base / "job_9", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    state = os.open(base / ".slurm-ckpt", os.O_RDONLY | os.O_DIRECTORY)
     try:
         # The race a writable base would allow: the name now points elsewhere.
         (base / "job_9").rename(base / "moved")
         (base / "job_9").symlink_to(victim)
-        mount_image(base, "job_9", fd, 16 * MiB, "ext4", 30)
+        mount_image(state, "job_9", fd, 16 * MiB, "ext4", 0, Deadline(30))
     finally:
         os.close(fd)
     points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
     assert str(base / "moved") in points and str(victim) not in points
     sh("umount", str(base / "moved"))
-    unmount_image(base, "job_9", 30)
+    (base / "job_9").unlink()
+    bfd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert unmount_image(bfd, state, "job_9", 30) is None
+    finally:
+        os.close(bfd)
+        os.close(state)
     assert not list((base / ".slurm-ckpt" / "img").iterdir())
 
 
@@ -273,3 +309,41 @@ def test_a_failing_mkfs_costs_the_job_its_scratch_not_the_node(loop_fs: Callable
     assert "701" not in ledger(base)
     run_epilog(user.env("701"), cfg)
     assert not (base / "job_701").exists()
+
+
+def test_each_loop_step_gets_its_share_of_one_deadline(loop_fs: Callable[..., Path],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """mkfs and mount each get a part of the prolog's one deadline, never all of it.
+
+    The commands run for real; the spy only records the timeout each was given
+    (a slow mkfs cannot be made to order here)."""
+    from slurm_ckpt.node import commands
+    from slurm_ckpt.node.hook import Deadline
+    from slurm_ckpt.node.loopfs import mount_image
+
+    seen: list[tuple[str, float, float]] = []
+    real = commands.run
+
+    def spy(argv: list[str], timeout: float, pass_fds: tuple[int, ...] = ()) -> tuple[int, str]:
+        seen.append((argv[0], time.monotonic(), timeout))
+        return real(argv, timeout, pass_fds)
+
+    monkeypatch.setattr(commands, "run", spy)
+    base = loop_fs("ext4", "256M")
+    (base / ".slurm-ckpt").mkdir(mode=0o711)
+    (base / "job_9").mkdir()
+    fd = os.open(base / "job_9", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    state = os.open(base / ".slurm-ckpt", os.O_RDONLY | os.O_DIRECTORY)
+    deadline = Deadline(20)
+    try:
+        mount_image(state, "job_9", fd, 16 * MiB, "ext4", 0, deadline)
+    finally:
+        os.close(fd)
+        os.close(state)
+        sh("umount", str(base / "job_9"), check=False)
+    (mkfs, at_mkfs, t_mkfs), (mount, at_mount, t_mount) = seen
+    assert (mkfs, mount) == ("mkfs.ext4", "mount")
+    # mkfs: at most 60% of what was left when its part began; the mount: what is left then.
+    # Both end within the one deadline (the spy reads the clock a moment after each).
+    assert t_mkfs <= 0.6 * 20 and at_mkfs + t_mkfs <= deadline.end + 0.01, seen
+    assert at_mount + t_mount <= deadline.end + 0.01, seen

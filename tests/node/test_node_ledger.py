@@ -92,3 +92,35 @@ def test_lock_timeout_is_reported(tmp_path: Path) -> None:
     held = filelock.FileLock(str(tmp_path / "ledger.lock"))
     with held, pytest.raises(LockHeld, match="ledger"):
         Ledger(tmp_path, capacity=MiB, lock_timeout=0.2).entries()
+
+
+@pytest.mark.parametrize("name", ["ledger.lock", "ledger.json", ".ledger.json.{pid}"])
+def test_no_ledger_file_is_followed_through_a_link(tmp_path: Path, name: str) -> None:
+    """Every root-side ledger file is opened with O_NOFOLLOW relative to the state dir:
+    a link planted at any of their names changes nothing outside it."""
+    import os
+
+    from slurm_ckpt.errors import StorageError
+
+    victim = tmp_path.parent / f"{tmp_path.name}-victim"
+    victim.write_text("precious")
+    state = tmp_path / "state"
+    state.mkdir(mode=0o711)
+    link = state / name.format(pid=os.getpid())
+    link.symlink_to(victim)
+    led = Ledger(state, capacity=100 * MiB)
+    if name == "ledger.lock":
+        with pytest.raises(StorageError, match="ledger lock"):
+            reserve(led, "1", MiB)
+    else:
+        assert reserve(led, "1", MiB) == MiB
+        assert not os.path.islink(state / "ledger.json") and set(led.entries()) == {"1"}
+    assert victim.read_text() == "precious"
+
+
+def test_a_state_dir_others_can_write_is_refused(tmp_path: Path) -> None:
+    from slurm_ckpt.errors import StorageError
+
+    tmp_path.chmod(0o777)
+    with pytest.raises(StorageError, match="writable by no one else"):
+        Ledger(tmp_path, capacity=MiB).entries()

@@ -19,8 +19,14 @@ import pytest
 
 from slurm_ckpt.node import run_epilog, run_prolog
 from slurm_ckpt.node.job import Job
-from slurm_ckpt.node.mounts import mount_of
-from slurm_ckpt.node.quota import get_project, parse_quota_lines, set_project, user_quota
+from slurm_ckpt.node.mounts import Mount, mount_of
+from slurm_ckpt.node.quota import (
+    get_project,
+    limit_argv,
+    parse_quota_lines,
+    set_project,
+    user_quota,
+)
 from slurm_ckpt.node.space import check_shared, newest_checkpoint_size
 from tests.faultfs.control import FaultFS
 from tests.node.helpers import User, make_cfg, owned_tree, sh, write_ckpt
@@ -137,6 +143,16 @@ def test_a_hung_storage_check_costs_the_prolog_only_check_timeout(
     assert report is not None and report.scratch  # the job still gets its scratch
     assert any("did not finish in 0s" in w or "did not finish in 1s" in w for w in report.warnings)
     run_epilog(user.env("503"), cfg)
+
+
+def test_project_limits_bound_inodes_as_well_as_blocks() -> None:
+    """The command that sets a job's project quota (the seam: this kernel has no quota)."""
+    xfs = Mount("/scratch", "xfs", "/dev/sdb", (8, 16), frozenset({"prjquota"}))
+    ext4 = Mount("/scratch", "ext4", "/dev/sdb", (8, 16), frozenset({"prjquota"}))
+    assert limit_argv(xfs, 77, 2 * MiB, 5000) == ["xfs_quota", "-x", "-c",
+                                                  f"limit -p bhard={2 * MiB} ihard=5000 77", "/scratch"]  # fmt: skip
+    assert limit_argv(ext4, 77, 2 * MiB, 5000) == ["setquota", "-P", "77", "0", "2048", "0", "5000", "/scratch"]
+    assert "ihard=0" in limit_argv(xfs, 77, 0)[3]  # clearing removes both limits
 
 
 def test_auto_prefers_a_loop_filesystem(loop_fs: Callable[..., Path], user: User) -> None:

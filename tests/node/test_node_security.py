@@ -16,7 +16,7 @@ import pytest
 
 from slurm_ckpt.node import run_epilog, run_prolog
 from slurm_ckpt.store.layout import list_steps
-from tests.node.helpers import User, make_cfg, owned_tree, write_ckpt
+from tests.node.helpers import User, make_cfg, owned_tree, sh, write_ckpt
 
 
 def fingerprint(path: Path) -> list[tuple[str, int, int, int, int]]:
@@ -164,6 +164,50 @@ def test_hostile_sizes_give_warnings_and_the_default(site: dict[str, Path], user
     assert report.warnings and all("\n" not in w for w in report.warnings)
     assert run_epilog(user.env("21"), cfg) is not None
     assert not (site["base"] / "job_21").exists()
+
+
+def test_a_header_without_data_offsets_is_a_corrupt_checkpoint_not_a_pin(site: dict[str, Path], user: User) -> None:
+    """Every stage-out failure is caught: a data file whose safetensors header lacks
+    ``data_offsets`` once raised a KeyError that kept scratch forever. It is now a
+    corrupt checkpoint: skipped, and the older good one staged."""
+    import torch
+
+    from slurm_ckpt.errors import CheckpointCorrupt
+    from slurm_ckpt.store import RunDir, verify_checkpoint
+    from slurm_ckpt.store.codec import encode_state
+    from slurm_ckpt.store.writer import write_state
+
+    job = run_job(site, user, "31")
+    write_ckpt(job / "ckpt", 1, owner=user)
+    enc = encode_state({"w": torch.arange(4, dtype=torch.float32), "step": 2})
+    rd = RunDir(job / "ckpt")
+    try:
+        bad = rd.commit(2, lambda tmp: write_state(tmp, enc), nbytes=enc.nbytes)
+    finally:
+        rd.unlock()
+    (data,) = bad.glob("*.safetensors")
+    raw = data.read_bytes()
+    assert b'"data_offsets"' in raw
+    data.write_bytes(raw.replace(b'"data_offsets"', b'"data_offsetz"'))  # same length, valid JSON
+    with pytest.raises(CheckpointCorrupt, match="data_offsets"):  # not a KeyError
+        verify_checkpoint(bad, full=False)
+    sh("chown", "-R", f"{user.uid}:{user.gid}", str(job / "ckpt"))
+    res = epilog(site, user, "31")
+    assert res is not None and res.status == "staged" and res.step == 1, res
+    assert not job.exists()
+
+
+def test_a_fifo_at_the_lock_owner_note_does_not_hang_the_stage_out(site: dict[str, Path], user: User) -> None:
+    job = run_job(site, user, "32")
+    write_ckpt(job / "ckpt", 4, owner=user)
+    durable = site["root"] / user.name / "job_32"
+    owned_tree(durable, user)
+    user.run("mkfifo", str(durable / ".lock.owner"))
+    cfg = make_cfg(site["base"], site["root"], epilog_timeout=30)
+    res = run_epilog(user.env("32"), cfg)
+    assert res is not None and res.status == "staged" and res.step == 4, res
+    assert stat.S_ISFIFO(os.lstat(durable / ".lock.owner").st_mode)  # left as it was
+    assert not job.exists()
 
 
 def test_the_job_report_is_roots_and_its_user_may_only_read_it(site: dict[str, Path], user: User) -> None:

@@ -148,6 +148,71 @@ def test_scratch_stage_out_and_resume_under_slurm(
     )
 
 
+KEPT_TRAINER = """\
+import json, os, sys, time
+from pathlib import Path
+from slurm_ckpt.store import RunDir, find_latest
+from slurm_ckpt.store.codec import encode_state
+from slurm_ckpt.store.writer import write_state
+
+good, bad = Path(sys.argv[1]), Path(sys.argv[2])
+fast = Path(os.environ["SLURM_CKPT_SCRATCH"]) / "ckpt"
+run = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+cand = find_latest([fast]) if fast.exists() else None
+print(f"run {run}: scratch has step {cand.step if cand else None}", flush=True)
+if run == 0:
+    fast.mkdir(parents=True)
+    # A durable dir under a file: the stage-out after this run fails, and scratch is kept.
+    (fast / "TIER.json").write_text(json.dumps({"durable": str(bad)}))
+    rd = RunDir(fast)
+    enc = encode_state({"step": 5, "blob": os.urandom(1 << 16)})
+    rd.commit(5, lambda tmp: write_state(tmp, enc), nbytes=enc.nbytes)
+    rd.unlock()
+    print("saved 5", flush=True)
+    time.sleep(600)  # until the test requeues the job
+(fast / "TIER.json").write_text(json.dumps({"durable": str(good)}))
+print("done", flush=True)
+"""
+
+
+def test_a_requeued_run_gets_back_the_scratch_its_epilog_kept(slurm_cluster: Cluster, slurm_workdir: Path) -> None:
+    """Job-id reuse is told from a requeue by the restart count, as Slurm 22.05 passes it:
+    the epilog after the requeue records the count, and the next run's prolog, seeing the
+    same count, adopts the kept scratch (its checkpoint is there); the last epilog then
+    stages it out and removes everything."""
+    node = slurm_cluster.node_names[0]
+    base = slurm_cluster.scratch / "slurm-ckpt"
+    hooks = slurm_workdir / "hooks"
+    install_hooks(hooks, base, slurm_workdir / "root")
+    (slurm_workdir / "trainer.py").write_text(KEPT_TRAINER)
+    (slurm_workdir / "a-file").write_text("not a dir")
+    good, bad = slurm_workdir / "durable", slurm_workdir / "a-file" / "run"
+    slurm_cluster.configure({"Prolog": hooks / "slurm-ckpt-prolog", "Epilog": hooks / "slurm-ckpt-epilog",
+                             "TaskProlog": hooks / "slurm-ckpt-taskprolog", "PrologFlags": "Alloc",
+                             "PrologEpilogTimeout": 60})  # fmt: skip
+    job = slurm_cluster.sbatch(f"srun {sys.executable} trainer.py {good} {bad}\n", "--requeue",
+                               workdir=slurm_workdir, name="kept")  # fmt: skip
+    job.wait_output(r"saved 5", timeout=90)
+    assert "run 0: scratch has step None" in job.output()
+    ledger = slurm_cluster.on_node(node, base / ".slurm-ckpt" / "ledger.json")
+
+    def epilogs() -> int:
+        return (hooks / "hooks.log").read_text().count(f"job {job.id}: INFO: epilog done")
+
+    slurm_cluster.run("scontrol", "requeue", job.id)
+    job.wait_for("the first epilog", lambda r: epilogs() >= 1, 60)
+    kept = json.loads(ledger.read_text())[job.id]
+    assert "stage-out failed" in kept["kept"] and kept["restarts"] == 1, kept
+    job.skip_requeue_wait()
+    job.wait_output(r"done", timeout=90)
+    assert "run 1: scratch has step 5" in job.output()
+    job.wait_state("COMPLETED", timeout=60)
+    job.wait_for("the last epilog", lambda r: epilogs() >= 2, 60)
+    assert (good / "step-000000005").is_dir()
+    assert not slurm_cluster.on_node(node, base / f"job_{job.id}").exists()
+    assert job.id not in json.loads(ledger.read_text())
+
+
 HOSTILE = """\
 import json, os, sys
 from pathlib import Path

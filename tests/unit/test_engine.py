@@ -26,7 +26,7 @@ from slurm_ckpt.engine.reader import read_tensor_file
 from slurm_ckpt.engine.staging import Staging
 from slurm_ckpt.engine.writer import write_image
 from slurm_ckpt.errors import CheckpointCorrupt
-from slurm_ckpt.store.codec import encode_state
+from slurm_ckpt.store.codec import TensorEntry, encode_state
 from slurm_ckpt.store.commit import commit
 from slurm_ckpt.store.crc import crc32_combine, crc32_of_chunks
 from slurm_ckpt.store.tensorfile import FileRecord, read_tensors, write_tensor_file
@@ -345,6 +345,33 @@ def test_the_forked_writer_reads_the_snapshot_without_copying_it(tmp_path: Path)
     assert torch.equal(Engine().load(tmp_path / "step-000000001", verify_checkpoint(tmp_path / "step-000000001"))["w"], state["w"])
 
 
+@pytest.mark.parametrize("memory", ["share_memory_", "torch.from_file", "numpy.memmap"])
+def test_a_fork_snapshot_freezes_tensors_in_shared_memory_too(tmp_path: Path, memory: str) -> None:
+    # fork() freezes private memory only; pages of a shared mapping stay the
+    # parent's, so a change after save_async returned would reach the child.
+    n = 1 << 18
+    backing = tmp_path / "tensor.bin"
+    backing.write_bytes(bytes(4 * n))
+    if memory == "share_memory_":
+        t = torch.zeros(n).share_memory_()
+    elif memory == "torch.from_file":
+        t = torch.from_file(str(backing), shared=True, size=n)
+    else:
+        import numpy as np
+
+        t = torch.from_numpy(np.memmap(backing, dtype=np.float32, mode="r+"))
+    t.copy_(torch.arange(n, dtype=torch.float32))
+    want = t.clone()
+    job = Engine(EngineConfig(chunk_size=1 << 16)).job({"w": t, "step": 1}, mode="fork")
+    t.add_(1)  # the trainer goes on before the child has written anything
+    (tmp_path / "run").mkdir()
+    try:
+        path = commit(tmp_path / "run", 1, job.write)
+    finally:
+        job.close()
+    assert torch.equal(Engine().load(path, verify_checkpoint(path))["w"], want)
+
+
 def test_a_job_can_be_written_twice_like_a_retried_commit(tmp_path: Path) -> None:
     eng = Engine(EngineConfig(chunk_size=8192))
     for mode in ("fork", "copy", "lazy", "overlap"):
@@ -372,6 +399,36 @@ def test_staging_is_reused_and_holds_one_copy(tmp_path: Path) -> None:
     got = {e.key: e.tensor for e in staged}
     assert torch.equal(got["w"], state["w"])
     assert staging._buf.data_ptr() % 4096 == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_copy_bytes_splits_the_pieces_over_threads_and_copies_every_byte(threads: int) -> None:
+    from slurm_ckpt.engine.staging import copy_bytes
+
+    g = torch.Generator().manual_seed(threads)
+    # Pieces of odd sizes, some far larger than a thread's share, some tiny, some empty.
+    sizes = [5, 0, 3 << 20, 4097, 11 << 20, 1, 7 << 20, 123_457]
+    src = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    dst = torch.zeros(sum(sizes) + 64, dtype=torch.uint8)
+    pieces, off = [], 0
+    for t in src:
+        pieces.append((dst.data_ptr() + off, t.data_ptr(), t.numel()))
+        off += t.numel()
+    copy_bytes(pieces, threads=threads)
+    assert torch.equal(dst[:off], torch.cat(src)) and not dst[off:].any()
+
+
+def test_staging_copies_views_whose_bytes_are_not_their_values() -> None:
+    # Conjugate and negative views, and non-contiguous ones, go through torch's
+    # copy; a raw memmove would store the bytes underneath instead of the values.
+    # The codec hands over whole storages, so the non-contiguous entry is built
+    # here: staging takes any layout.
+    state = {"neg": torch.randn(1000)._neg_view(), "t": torch.randn(30, 40).t(), "plain": torch.randn(1000)}
+    entries = [TensorEntry(k, v, "F32", list(v.shape)) for k, v in state.items()]
+    _, staged = Staging().stage(entries)
+    got = {e.key: e.tensor for e in staged}
+    for k, v in state.items():
+        assert torch.equal(got[k].view(v.shape), v.resolve_neg().contiguous()), k
 
 
 def test_engine_config_is_validated() -> None:

@@ -1,4 +1,4 @@
-"""The ``overlap`` snapshot (``auto``'s choice for CPU tensors) and its guard.
+"""The opt-in ``overlap`` snapshot and its guard; what ``auto`` chooses.
 
 Every test holds the background copy on an event, so what the trainer does
 while the copy is pending is fixed, not left to thread timing.
@@ -27,7 +27,7 @@ BLOCKED = 0.5
 """How long a thread that must be blocked is given to (wrongly) finish."""
 
 
-def config(snapshot: str = "auto") -> Config:
+def config(snapshot: str = "overlap") -> Config:
     return Config(storage=StorageConfig(retries=0, keep=10), engine=EngineConfig(snapshot=snapshot))
 
 
@@ -56,14 +56,16 @@ def blocked(fn: Callable[[], Any]) -> threading.Thread:
     return t
 
 
-def test_auto_overlaps_cpu_tensors_and_forks_when_no_staging_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_copies_before_returning_and_forks_when_no_staging_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only the modes that capture the state before save_async returns.
     state = {"w": torch.zeros(1 << 20)}
     jobs = [Engine().job(state, mode="auto")]
     monkeypatch.setattr(engine_module, "available_memory", lambda: 0)
     jobs.append(Engine().job(state, mode="auto"))
     for job in jobs:
         job.close()
-    assert [job.mode for job in jobs] == ["overlap", "fork"]
+    assert [job.mode for job in jobs] == ["copy", "fork"]
+    assert Engine().cfg.snapshot == "auto"
 
 
 def test_the_optimizer_waits_for_the_copy_and_the_checkpoint_holds_the_state_of_save_async(
@@ -109,8 +111,6 @@ def test_a_change_outside_the_optimizer_fails_the_save_and_later_saves_copy(
             h.wait(60)
         assert "changed in place while a save was copying it" in caplog.text
         assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000000001"]
-        with pytest.raises(SnapshotChanged):  # raised again by the next save
-            ck.save_async({"w": w}, step=3)
         want = w.clone()
         h = ck.save_async({"w": w}, step=3)
         assert h.mode == "copy"
@@ -163,5 +163,4 @@ def test_a_save_that_fails_early_is_done_only_after_its_copy(
     waiter.join(60)
     with pytest.raises(OSError, match="before any write"):
         h.wait(60)
-    with pytest.raises(OSError, match="before any write"):  # and again where the save is drained
-        ck.close()
+    ck.close()  # raised once, by wait()
