@@ -329,8 +329,8 @@ def _reap(base: str, base_fd: int, state_fd: int, ledger: Ledger, keep_failed: f
 
 
 def _clear_quota(base: str, projid: int) -> None:
+    from ..fsinfo import mount_of
     from . import quota
-    from .mounts import mount_of
 
     mount = mount_of(base)
     if mount is not None and quota.has_project_quota(mount):
