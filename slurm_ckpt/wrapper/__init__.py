@@ -88,7 +88,7 @@ from ..errors import ConfigError, SlurmError
 from ..node.cgroup import join_io_cgroup
 from ..slurm import SlurmCommandMissing, SlurmEnv
 from ..store import find_latest
-from ..store.tiers import fast_dir
+from ..store.layout import fast_dir
 from .backend import JobBackend, LocalJob, SlurmJob
 from .channel import ControlServer
 from .events import Events
