@@ -10,7 +10,6 @@ or ``setquota``. Reading quotas lives in :mod:`slurm_ckpt.fsinfo`.
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import time
 from collections.abc import Iterator
@@ -29,8 +28,6 @@ __all__ = [
     "limit_argv",
     "set_project_limit",
 ]
-
-log = logging.getLogger("slurm_ckpt.node")
 
 MAX_PROJECT_ID = 2**32 - 2
 

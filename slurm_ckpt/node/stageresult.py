@@ -15,6 +15,8 @@ _DONE = ("staged", "up-to-date", "none")
 
 @dataclass(frozen=True)
 class StageResult:
+    """What a stage-out did: its status, a line saying why, and the step and path it staged or found."""
+
     status: str
     """staged | up-to-date | none (nothing valid on scratch) | failed | timeout"""
     detail: str = ""
