@@ -14,7 +14,7 @@ from slurm_ckpt.fsinfo import Mount, block_device, cgroup_mount, mount_for, read
 
 
 def test_mountinfo_escapes_options_and_the_longest_mount_point(tmp_path: Path) -> None:
-    inner = tmp_path / "a b"  # mountinfo writes the space as \040
+    inner = tmp_path / "é b"  # mountinfo writes the space as \040, the é as UTF-8
     (inner / "run").mkdir(parents=True)
     escaped = str(inner).replace(" ", "\\040")
     mi = tmp_path / "mountinfo"
