@@ -57,7 +57,7 @@ from .store import iter_valid, note_skip, verify_checkpoint
 from .store.codec import decode_state, encode_state, is_dtensor, path_parts, torch_dtype
 from .store.fsutil import read_small
 from .store.layout import step_dir
-from .store.manifest import Manifest
+from .store.manifest import MANIFEST, Manifest
 from .store.verify import Skipped
 from .store.writer import OBJECTS_FILE, STATE_FILE
 
@@ -303,9 +303,9 @@ def load(
     from .dcp.writer import parse_checkpoint_id
 
     exact = parse_checkpoint_id(root)
-    if exact is not None and not (root / "MANIFEST.json").exists() and step_dir(*exact).is_dir():
+    if exact is not None and not (root / MANIFEST).exists() and step_dir(*exact).is_dir():
         root = step_dir(*exact)
-    one = (root / "MANIFEST.json").exists()
+    one = (root / MANIFEST).exists()
     cands = None
     if ranks.rank == 0:
         cands = iter([root]) if one else (c.path for c in iter_valid([*map(Path, search), root], full=False, skipped=skipped))

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..config import job_dir_name
 from . import loopfs
 from .ledger import GRAVE, Ledger
 from .scratch import STATE_DIR, Removal, clear_dir
@@ -216,7 +217,7 @@ def _has_image(state_fd: int, name: str) -> bool:
 def expire_kept(base_fd: int, state_fd: int, ledger: Ledger, job_id: str, entry: Mapping[str, Any],
                 keep_failed: float) -> None:  # fmt: skip
     """Give up on a kept scratch after ``keep_failed``: into the graveyard, with a clear log line."""
-    name = f"job_{job_id}"
+    name = job_dir_name(job_id)
     since = float(entry.get("kept_since", 0))
     log.warning("job %s: kept scratch %s expired: kept since %s (%.1f days, scratch.keep_failed is %.1f "
                 "days) because %s; removing it now. A checkpoint only there was never staged out.",
@@ -329,8 +330,8 @@ def _reap(base: str, base_fd: int, state_fd: int, ledger: Ledger, keep_failed: f
 
 
 def _clear_quota(base: str, projid: int) -> None:
+    from ..fsinfo import mount_of
     from . import quota
-    from .mounts import mount_of
 
     mount = mount_of(base)
     if mount is not None and quota.has_project_quota(mount):

@@ -26,7 +26,7 @@ from slurm_ckpt.node import Ledger, run_epilog, run_prolog
 from slurm_ckpt.node.graveyard import GRAVE_DIR, reap
 from slurm_ckpt.node.ledger import GRAVE
 from slurm_ckpt.node.scratch import STATE_DIR
-from slurm_ckpt.node.stageout import StageResult
+from slurm_ckpt.node.stageresult import StageResult
 from slurm_ckpt.store import find_latest
 from tests.node.helpers import PATH, User, fuse_of, make_cfg, sh, write_ckpt
 
