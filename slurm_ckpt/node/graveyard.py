@@ -19,7 +19,6 @@ a hook late or make it fail.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import itertools
 import json
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import job_dir_name
 from . import loopfs
 from .ledger import GRAVE, Ledger
+from .rootdir import open_private_subdir
 from .scratch import STATE_DIR, Removal, clear_dir
 
 if TYPE_CHECKING:
@@ -57,15 +57,7 @@ _UMOUNT_TIMEOUT = 30.0
 
 def open_grave(state_fd: int) -> int:
     """The root-only graveyard dir (mode 0700), by fd."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(GRAVE_DIR, 0o700, dir_fd=state_fd)
-    fd = os.open(GRAVE_DIR, _DIR, dir_fd=state_fd)
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid():
-        os.close(fd)
-        raise OSError(errno.EPERM, f"the graveyard is owned by uid {st.st_uid}; remove it", GRAVE_DIR)
-    os.fchmod(fd, 0o700)
-    return fd
+    return open_private_subdir(state_fd, GRAVE_DIR, "the graveyard")
 
 
 def bury(src_dir_fd: int, name: str, state_fd: int) -> str | None:
