@@ -9,12 +9,14 @@ grow past the job's reservation when copied out dense.
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .escape import escape
 from .scratch import mount_id
 
 if TYPE_CHECKING:
@@ -24,6 +26,10 @@ if TYPE_CHECKING:
 __all__ = ["mount_id_of", "newest_step", "screened", "sparse_excess"]
 
 _SPARSE_SLACK = 1024**2
+_SKIPS_LOGGED = 5
+"""Skipped checkpoints named in the log per screening: a user may make thousands."""
+
+log = logging.getLogger("slurm_ckpt.node")
 
 
 def screened(run_dir: Path, errors: list[str], mount: int | None = None) -> Iterator[Candidate]:
@@ -41,19 +47,31 @@ def screened(run_dir: Path, errors: list[str], mount: int | None = None) -> Iter
     from ..store.manifest import MANIFEST, Manifest
     from ..store.verify import plain_files
 
+    skipped = 0
+
+    def skip(path: Path, why: object) -> None:
+        nonlocal skipped
+        skipped += 1
+        if skipped <= _SKIPS_LOGGED:
+            log.info("stage-out passes over %s: %s", escape(path), escape(why))
+
     for step, path in list_steps(run_dir):
         try:
             if mount is not None and mount_id_of(path) != mount:
+                skip(path, "on another mount")
                 continue
             if not stat.S_ISDIR(os.lstat(path).st_mode) or not plain_files(path, [MANIFEST]):
+                skip(path, "not a directory with a regular manifest")
                 continue
             if not plain_files(path, list(Manifest.read(path).files)):
+                skip(path, "a file it names is not a regular file")
                 continue
             man = verify_checkpoint(path, full=False)
         except OSError as e:
             errors.append(f"{path}: {e}")
             continue
-        except Exception:  # CheckpointCorrupt, or a malformed file the checks did not foresee
+        except Exception as e:  # CheckpointCorrupt, or a malformed file the checks did not foresee
+            skip(path, e)
             continue
         yield Candidate(step, path, man)
 
