@@ -6,7 +6,6 @@ Four run dirs saved interleaved, each save of a whole state (medians):
 
 none      keep=1000, the old step removed outside the timing (the bench's setting)
 inline    keep=1000, then retention deleting the old step before the save returns
-          (what ``save()`` did before deletes moved to the background)
 beside    keep=1000, the old step deleted on another thread while the save runs
 deferred  keep=1: ``save()`` as it is, the delete on the reaper thread once the
           save has committed; the time until the reaper is done is shown apart,

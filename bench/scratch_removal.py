@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from slurm_ckpt.config import Config, ScratchConfig
+from slurm_ckpt.config import Config, ScratchConfig, job_dir_name
 from slurm_ckpt.node import run_epilog, run_prolog
 from slurm_ckpt.node.graveyard import GRAVE_DIR, reap
 from slurm_ckpt.node.scratch import STATE_DIR
@@ -105,7 +105,7 @@ def left_behind(base: Path) -> int:
 def case(name: str, base: Path, job_id: str, timeout: float, fill: object, attack: bool = False) -> dict[str, object]:
     cfg = config(base, timeout)
     run_prolog(env(job_id), cfg)
-    job = base / f"job_{job_id}"
+    job = base / job_dir_name(job_id)
     made = fill(job) if callable(fill) else 0
     subprocess.run(["chown", "-R", "nobody:", str(job)], check=True)
     attacker = None

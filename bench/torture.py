@@ -132,7 +132,7 @@ def run_round(args: argparse.Namespace, fs: Any, run: Path, log: Path, rng: rand
     from slurm_ckpt import Checkpointer
     from slurm_ckpt.config import Config
     from slurm_ckpt.store import find_latest, verify_checkpoint
-    from slurm_ckpt.store.layout import list_steps
+    from slurm_ckpt.store.layout import fast_dir, list_steps
 
     fs.clear()
     log.unlink(missing_ok=True)
@@ -179,7 +179,7 @@ def run_round(args: argparse.Namespace, fs: Any, run: Path, log: Path, rng: rand
         switch([])
     lines = read_log(log)
     # What the requeued job does: take the newest checkpoint that verifies, and load it.
-    dirs = [run] if scratch is None else [scratch / "ckpt", run]
+    dirs = [run] if scratch is None else [fast_dir(scratch), run]
     pick = find_latest(dirs, full=True)
     bad_pick = 0
     resumed = 0

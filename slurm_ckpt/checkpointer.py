@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from ._env import default_run_dir, job_id
 from .config import Config, load_config
 from .control import Control
 from .engine import Engine, SaveHandle, SaveJob
+from .engine.handle import start_save, take_error
 from .errors import ConfigError
 from .metrics import Metrics
 from .placement import choose
@@ -118,7 +118,7 @@ class Checkpointer:
         deadline = None if timeout is None else time.monotonic() + timeout
         h = self._inflight
         # Not h.wait(): the save's error is kept for whoever raises it first.
-        if h is not None and not (h._join(timeout) and not h.failed()):
+        if h is not None and not (h.join(timeout) and not h.failed()):
             return False
         return self.placement.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
@@ -229,23 +229,20 @@ class Checkpointer:
         job = self._job(state, "auto")
         handle = SaveHandle(step, job.captured, job.mode)
 
-        def run() -> None:
-            path, error = None, None
+        def work() -> Path:
             try:
                 path = self._commit(step, job.write, job.nbytes, **_meta(job))
                 self._committed(step, path)
             except BaseException as e:  # surfaced on wait() and the next save
                 log.error("background save of step %d failed: %s", step, e)
-                error = e
-            finally:
-                # Closed before the handle is done: a commit that failed early may
-                # leave a copy into the staging buffer running, and the next save,
-                # free to start once this one is done, reuses that buffer.
-                job.close()
-                handle._finish(path, error)
+                raise
+            return path
 
         self._inflight = handle
-        threading.Thread(target=run, name=f"slurm-ckpt-save-{step}", daemon=False).start()
+        # job.close() before the handle is done: a commit that failed early may
+        # leave a copy into the staging buffer running, and the next save,
+        # free to start once this one is done, reuses that buffer.
+        start_save(handle, work, cleanup=job.close)
         return handle
 
     def _commit(self, step: int, write: WriteFn, nbytes: int, **meta: Any) -> Path:
@@ -264,8 +261,8 @@ class Checkpointer:
         h, self._inflight = self._inflight, None
         if h is None:
             return
-        h._join()
-        e = h._take_error()
+        h.join()
+        e = take_error(h)
         if e is None:
             return
         if not policy or self.config.storage.on_async_error != "warn" or not isinstance(e, Exception):

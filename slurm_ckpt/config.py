@@ -271,11 +271,11 @@ class EngineConfig:
         it says otherwise or ``torch_huge_pages`` is off.
 
         torch's CPU allocator asks for transparent huge pages only when told to,
-        and it reads the variable at its first allocation. A sync save of 1 GiB
-        from tensors on 4 KiB pages reached 0.80-0.81x the disk's limit, on huge
-        pages 0.86-0.96x (the disk takes at most 254 physical segments per
-        request); a fork snapshot stalled 0.125x the sync save against 0.063x
-        (``slurm-ckpt bench``, README).
+        and it reads the variable at its first allocation. An ``O_DIRECT`` write
+        from 4 KiB pages spends the disk's per-request segment limit on small
+        pieces, and a fork copies four-kilobyte page-table entries one by one;
+        huge pages make both cheaper (``slurm-ckpt bench`` compares them,
+        ``docs/performance.md``).
         """
         if self.torch_huge_pages:
             env.setdefault("THP_MEM_ALLOC_ENABLE", "1")

@@ -42,7 +42,7 @@ import weakref
 from types import FrameType
 
 from .errors import ConfigError
-from .protocol import committed_line, ready_line
+from .protocol import CONTROL_ENV, SIGNAL_ENV, committed_line, ready_line
 
 __all__ = ["Control", "parse_signal"]
 
@@ -102,8 +102,8 @@ class Control:
     """The process's checkpoint-request flag and its channel to the wrapper."""
 
     def __init__(self, channel: str | None = None, signal_name: str | None = None) -> None:
-        self.channel = os.environ.get("SLURM_CKPT_CONTROL", "") if channel is None else channel
-        name = signal_name or os.environ.get("SLURM_CKPT_SIGNAL", "") or "USR1"
+        self.channel = os.environ.get(CONTROL_ENV, "") if channel is None else channel
+        name = signal_name or os.environ.get(SIGNAL_ENV, "") or "USR1"
         self.signal = parse_signal(name)
         # A plain bool, not a threading.Event: Event.set() takes a lock, and a
         # second signal (Slurm sends USR1 then TERM) arriving while the first

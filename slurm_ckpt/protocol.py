@@ -16,7 +16,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["COMMITTED", "READY", "Message", "committed_line", "parse_message", "ready_line"]
+__all__ = [
+    "COMMITTED",
+    "CONTROL_ENV",
+    "READY",
+    "SIGNAL_ENV",
+    "Message",
+    "committed_line",
+    "parse_message",
+    "ready_line",
+]
+
+CONTROL_ENV = "SLURM_CKPT_CONTROL"
+"""The variable the wrapper sets to its channel (a socket path) for the trainer."""
+SIGNAL_ENV = "SLURM_CKPT_SIGNAL"
+"""The variable the wrapper sets to the name of the signal that asks for a checkpoint."""
 
 READY = "ready"
 COMMITTED = "committed"

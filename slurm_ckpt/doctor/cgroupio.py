@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..store.retry import Mount
+from ..fsinfo import Mount, block_device, cgroup_mount, read_mounts
 from .finding import Context, Report, Severity, fmt_rate
 
-__all__ = ["IOLimit", "block_device", "check_cgroup_io", "io_limits"]
+__all__ = ["IOLimit", "check_cgroup_io", "io_limits"]
 
 
 @dataclass
@@ -27,32 +27,10 @@ class IOLimit:
     io_controller: bool = True
 
 
-def block_device(mount: Mount, sysfs: Path = Path("/sys")) -> str | None:
-    """``major:minor`` of the whole disk under ``mount`` (limits are set per disk), or None."""
-    if mount.device.startswith("0:"):
-        return None  # no block device: NFS, Lustre, tmpfs, FUSE
-    node = sysfs / "dev/block" / mount.device
-    if (node / "partition").exists():
-        try:
-            return (node.resolve().parent / "dev").read_text().strip()
-        except OSError:
-            return mount.device
-    return mount.device
-
-
 def _hierarchies(mountinfo: str) -> tuple[Path | None, Path | None]:
-    v1 = v2 = None
-    with open(mountinfo) as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            rf = right.split()
-            if not rf:
-                continue
-            if rf[0] == "cgroup" and "blkio" in rf[2].split(","):
-                v1 = Path(left.split()[4])
-            elif rf[0] == "cgroup2":
-                v2 = Path(left.split()[4])
-    return v1, v2
+    mounts = read_mounts(mountinfo)
+    v1, v2 = cgroup_mount("blkio", mounts), cgroup_mount("unified", mounts)
+    return (Path(v1.mount_point) if v1 else None), (Path(v2.mount_point) if v2 else None)
 
 
 def _own_cgroup(proc_cgroup: str, controller: str) -> str | None:
@@ -118,11 +96,12 @@ def check_cgroup_io(report: Report, ctx: Context, mount: Mount | None, *,
                     sysfs: Path = Path("/sys")) -> None:  # fmt: skip
     if mount is None:
         return
-    dev = block_device(mount, sysfs)
-    if dev is None:
+    disk = block_device(mount, sysfs)
+    if disk is None:
         report.add("cgroup", Severity.INFO, f"{mount.fstype} has no local block device: cgroup io "
                    "limits do not apply here")  # fmt: skip
         return
+    dev = f"{disk[0]}:{disk[1]}"
     try:
         lim = io_limits(dev, proc_cgroup=proc_cgroup, mountinfo=mountinfo)
     except OSError as e:

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from collections.abc import Callable
 
-from ..store.retry import Mount, mount_for
+from ..fsinfo import Mount, mount_for
 from .finding import Context, Report, Severity
 
 __all__ = ["check_mount", "lustre_stripe"]

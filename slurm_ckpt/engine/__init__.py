@@ -89,9 +89,9 @@ def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic GC while a state's many small objects are built.
 
     A training process tracks hundreds of thousands of objects (torch alone),
-    so full collections triggered by the allocations of encoding 10,000
-    tensors cost more than the encoding: 98 ms vs 41 ms measured here. Nothing
-    built here is cyclic garbage, so nothing is lost by waiting.
+    so full collections triggered by the allocations of encoding thousands of
+    tensors can cost more than the encoding itself, and each walks every
+    object. Nothing built here is cyclic garbage, so nothing is lost by waiting.
     """
     was = gc.isenabled()
     gc.disable()

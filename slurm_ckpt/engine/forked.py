@@ -4,8 +4,8 @@
 kernel copies a page only when one side writes to it. So the trainer continues
 at once, its later in-place updates never reach the checkpoint, and the extra
 memory is only the pages it changes while the child is writing (at most the
-state's size). The stall is the fork itself: copying page tables, about 20 ms
-per GiB of resident memory with 4 KiB pages on the development VM. The rest
+state's size). The stall is the fork itself: copying page tables, which
+grows with the process's resident memory (less with huge pages). The rest
 of the cost comes later: every page the trainer writes while the child lives
 is copied in a page fault, and even after the child exits each page takes one
 more fault on its next write (fork write-protected them all). ``slurm-ckpt

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["SaveHandle"]
+__all__ = ["SaveHandle", "start_save", "take_error"]
 
 
 class SaveHandle:
@@ -30,22 +31,9 @@ class SaveHandle:
         self._lock = threading.Lock()
         self._raised = False
 
-    def _finish(self, path: Path | None, error: BaseException | None) -> None:
-        self._path, self._error = path, error
-        self._captured.set()  # a save that failed early must not leave a fence hanging
-        self._done.set()
-
-    def _join(self, timeout: float | None = None) -> bool:
+    def join(self, timeout: float | None = None) -> bool:
         """Wait for the save without raising its error; True once it is done."""
         return self._done.wait(timeout)
-
-    def _take_error(self) -> BaseException | None:
-        """The error of a finished save that nobody has raised yet; from now on it counts as raised."""
-        with self._lock:
-            if not self._done.is_set() or self._error is None or self._raised:
-                return None
-            self._raised = True
-            return self._error
 
     def done(self) -> bool:
         """True once the save is committed or has failed."""
@@ -77,3 +65,34 @@ class SaveHandle:
             raise self._error
         assert self._path is not None
         return self._path
+
+
+def start_save(handle: SaveHandle, work: Callable[[], Path], cleanup: Callable[[], None]) -> None:
+    """Run ``work`` (the commit) in a thread, then ``cleanup``, then mark ``handle`` done.
+
+    ``cleanup`` runs before the handle is done: the next save is free to
+    start once it is, and may reuse what ``work`` was still using.
+    """
+
+    def run() -> None:
+        path, error = None, None
+        try:
+            path = work()
+        except BaseException as e:  # surfaced on wait() and the next save
+            error = e
+        finally:
+            cleanup()
+            handle._path, handle._error = path, error
+            handle._captured.set()  # a save that failed early must not leave a fence hanging
+            handle._done.set()
+
+    threading.Thread(target=run, name=f"slurm-ckpt-save-{handle.step}", daemon=False).start()
+
+
+def take_error(handle: SaveHandle) -> BaseException | None:
+    """The error of a finished save that nobody has raised yet; from now on it counts as raised."""
+    with handle._lock:
+        if not handle._done.is_set() or handle._error is None or handle._raised:
+            return None
+        handle._raised = True
+        return handle._error

@@ -7,8 +7,8 @@ is written.
 O_DIRECT needs the memory address and the file offset of every write aligned
 (4 KiB covers every common device). Tensor memory is rarely page-aligned, but
 large tensors from glibc's allocator all sit at the same offset within their
-pages (64 bytes past a boundary, measured here for every tensor of 1 MiB or
-more). So the file is laid out to match: the header is padded so the data
+pages (64 bytes past a boundary for every tensor of 1 MiB or more: the
+header of glibc's mmap chunk). So the file is laid out to match: the header is padded so the data
 starts at that same offset within a page, and the large tensors whose length
 is a whole number of pages come first. Each of them then lines up with the
 file page for page, and everything but the few bytes at its two ends goes to

@@ -5,10 +5,10 @@ keep the whole file in memory; small neighbours share one), worker threads
 fill them chunk by chunk with ``O_DIRECT`` reads, and checksum threads
 compute each chunk's crc32 as it lands. The per-chunk crcs are combined in
 file order and compared with the manifest. One more thread faults the fresh
-buffers in ahead of the reads (``MADV_POPULATE_WRITE``): on the development VM
-first-touch page faults cost more than the reads themselves (1 GiB read at
-3.5 GB/s into memory already faulted in, 1.5 GB/s into fresh memory, 2.6 GB/s
-with the faults taken ahead; ``bench/profile_engine.py``).
+buffers in ahead of the reads (``MADV_POPULATE_WRITE``): first-touch page
+faults, taken one by one by the reading threads, can cost more than the reads
+themselves (``python bench/fresh_memory.py`` and ``bench/profile_engine.py``
+measure both on a given machine).
 
 ``into`` names tensors the caller already has (a model's parameters, say),
 by checkpoint key: a large CPU one is read straight into its own memory,
@@ -278,9 +278,7 @@ def _read(
 
     # The crcs are taken on threads of their own as the reads land: a read
     # thread that stopped to checksum would leave the disk's queue shallower
-    # (1 GiB into memory already faulted in: 0.935x raw with the crc inline,
-    # 0.958x beside it, 0.964x without, in a one-off interleaved comparison
-    # on the development VM; ``bench/profile_engine.py`` shows the result).
+    # (``bench/profile_engine.py`` compares the read with and without them).
     crcs: list[tuple[int, int]] = [(0, 0)] * len(items)
     landed: queue.SimpleQueue[int | None] = queue.SimpleQueue()
     failed: list[BaseException] = []

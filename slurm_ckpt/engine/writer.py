@@ -58,8 +58,8 @@ def write_image(
     with ``ECANCELED`` (the forked writer uses it to stop when its parent dies).
     ``in_place=False`` sends every byte through bounce buffers: a forked writer
     must, because pinning a page it shares with its parent for O_DIRECT makes
-    the kernel copy that page first (measured: 267k page faults and 2-3x slower
-    for 1 GiB, and a full second copy in memory).
+    the kernel copy that page first: a page fault for every page, and a full
+    second copy of the state in memory.
     """
     if chunk <= 0 or chunk % ALIGN:
         raise ValueError(f"chunk size {chunk} must be a positive multiple of {ALIGN}")
@@ -123,8 +123,7 @@ class _Job:
         # Segments read from the trainer's memory in place: their memory does
         # not change, so other threads checksum them while the writes run (a
         # writer thread that stopped to checksum would leave the disk's queue
-        # shallower: 2.3 GB/s with the crc inline, 2.7 beside it, 2.9 without,
-        # on the development VM).
+        # shallower; ``bench/profile_engine.py`` compares the two).
         self._crc_todo = [(k, i) for k, w in enumerate(writes) for i, seg in enumerate(w.segments)
                           if self._in_place(seg)]  # fmt: skip
         self._crc_next = 0

@@ -47,6 +47,7 @@ from lightning.pytorch.callbacks import Callback
 from ..checkpointer import Checkpointer, SaveHandle
 from ..errors import ConfigError
 from ..loopstate import rng_state, set_rng_state
+from ..store.manifest import MANIFEST
 from ._steps import load_step, read_pointer, write_pointer
 
 __all__ = ["PreemptionCallback", "SlurmCkptIO", "plugins"]
@@ -157,7 +158,7 @@ class SlurmCkptIO(CheckpointIO):
 
 def _step_of_dir(path: Path) -> int | None:
     """The step of a committed checkpoint directory (what ``resume_path`` returns)."""
-    if not (path / "MANIFEST.json").is_file():
+    if not (path / MANIFEST).is_file():
         return None
     try:
         return int(path.name.removeprefix("step-"))

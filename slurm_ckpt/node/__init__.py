@@ -19,7 +19,7 @@ if typing.TYPE_CHECKING:
     from .ledger import Grant, Ledger
     from .prolog import run_prolog
     from .report import JobReport
-    from .stageout import StageResult
+    from .stageresult import StageResult
     from .taskprolog import task_prolog
 
 __all__ = [
@@ -41,7 +41,7 @@ _HOME = {
     "Job": "job",
     "JobReport": "report",
     "Ledger": "ledger",
-    "StageResult": "stageout",
+    "StageResult": "stageresult",
     "join_io_cgroup": "cgroup",
     "run_epilog": "epilog",
     "run_prolog": "prolog",

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..config import IOLimits
-from .mounts import Mount, mount_of
+from ..fsinfo import Mount, mount_of
 
 __all__ = [
     "CONFINING",
@@ -63,7 +63,7 @@ def shared_controllers(path: str | os.PathLike[str], mounts: list[Mount] | None 
     m = mount_of(path, mounts)
     if m is None or m.fstype != "cgroup":
         return []
-    return sorted(CONFINING & m.options)
+    return sorted(CONFINING & m.options.keys())
 
 
 def v1_throttle_lines(limits: IOLimits, device: tuple[int, int]) -> dict[str, str]:

@@ -19,12 +19,12 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import ConfigError
+from ..fsinfo import cgroup_mount
 from ..store.layout import fast_dir
 from . import cgroup, graveyard, loopfs, quota
 from .hook import HookContext, load_context, setup_logging
 from .job import InvalidJob
 from .ledger import Ledger
-from .mounts import cgroup_mount
 from .report import JobReport, report_path
 from .scratch import open_state_dir
 from .stageout import StageLimits, StageResult, stage_out
@@ -153,7 +153,7 @@ def _project_id(ctx: HookContext) -> int | None:
 
 
 def _clear_quota(ctx: HookContext, projid: int) -> None:
-    from .mounts import mount_of
+    from ..fsinfo import mount_of
 
     mount = mount_of(ctx.base)
     if mount is not None:

@@ -19,7 +19,6 @@ a hook late or make it fail.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import itertools
 import json
@@ -32,8 +31,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..config import job_dir_name
 from . import loopfs
 from .ledger import GRAVE, Ledger
+from .rootdir import open_private_subdir
 from .scratch import STATE_DIR, Removal, clear_dir
 
 if TYPE_CHECKING:
@@ -56,15 +57,7 @@ _UMOUNT_TIMEOUT = 30.0
 
 def open_grave(state_fd: int) -> int:
     """The root-only graveyard dir (mode 0700), by fd."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(GRAVE_DIR, 0o700, dir_fd=state_fd)
-    fd = os.open(GRAVE_DIR, _DIR, dir_fd=state_fd)
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid():
-        os.close(fd)
-        raise OSError(errno.EPERM, f"the graveyard is owned by uid {st.st_uid}; remove it", GRAVE_DIR)
-    os.fchmod(fd, 0o700)
-    return fd
+    return open_private_subdir(state_fd, GRAVE_DIR, "the graveyard")
 
 
 def bury(src_dir_fd: int, name: str, state_fd: int) -> str | None:
@@ -216,7 +209,7 @@ def _has_image(state_fd: int, name: str) -> bool:
 def expire_kept(base_fd: int, state_fd: int, ledger: Ledger, job_id: str, entry: Mapping[str, Any],
                 keep_failed: float) -> None:  # fmt: skip
     """Give up on a kept scratch after ``keep_failed``: into the graveyard, with a clear log line."""
-    name = f"job_{job_id}"
+    name = job_dir_name(job_id)
     since = float(entry.get("kept_since", 0))
     log.warning("job %s: kept scratch %s expired: kept since %s (%.1f days, scratch.keep_failed is %.1f "
                 "days) because %s; removing it now. A checkpoint only there was never staged out.",
@@ -329,8 +322,8 @@ def _reap(base: str, base_fd: int, state_fd: int, ledger: Ledger, keep_failed: f
 
 
 def _clear_quota(base: str, projid: int) -> None:
+    from ..fsinfo import mount_of
     from . import quota
-    from .mounts import mount_of
 
     mount = mount_of(base)
     if mount is not None and quota.has_project_quota(mount):

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import StorageError, storage_error
 from . import commands
+from .rootdir import open_private_subdir
 
 if TYPE_CHECKING:
     from .hook import Deadline
@@ -83,15 +84,7 @@ def is_mount_point(base_fd: int, name: str) -> bool:
 
 def open_image_dir(state_fd: int) -> int:
     """The root-only image dir under the state dir (mode 0700), by fd."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(IMAGE_DIR, 0o700, dir_fd=state_fd)
-    fd = os.open(IMAGE_DIR, _DIR, dir_fd=state_fd)
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid():
-        os.close(fd)
-        raise StorageError(errno.EPERM, f"scratch image dir owned by uid {st.st_uid}; remove it", IMAGE_DIR)
-    os.fchmod(fd, 0o700)
-    return fd
+    return open_private_subdir(state_fd, IMAGE_DIR, "the scratch image dir")
 
 
 def mkfs_argv(fstype: str, device: str, size: int, max_inodes: int) -> list[str]:

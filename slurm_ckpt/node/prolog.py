@@ -24,11 +24,11 @@ from typing import Any
 
 from ..config import Config, IOLimits, format_size, job_dir_name
 from ..errors import ConfigError, StorageError, storage_error
+from ..fsinfo import block_device, cgroup_mount, mount_of, set_project
 from . import cgroup, commands, graveyard, loopfs, quota
 from .hook import HookContext, load_context, setup_logging
 from .job import InvalidJob, comment_size
 from .ledger import GRAVE, Ledger
-from .mounts import block_device, cgroup_mount, mount_of
 from .report import JobReport
 from .scratch import hand_over, make_job_dir, open_state_dir
 from .space import check_shared
@@ -193,7 +193,7 @@ def _make_scratch(ctx: HookContext, base_fd: int, state_fd: int, ledger: Ledger,
                 mode = "none"
             else:
                 projid = int(job.job_id)
-                quota.set_project(fd, projid)
+                set_project(fd, projid)
                 if why := quota.set_project_limit(mount, projid, size, ctx.deadline.left(2.0), sc.max_inodes):
                     log.error("cannot set project quota %d on %s: %s", projid, ctx.scratch, why)
                     mode = "none"

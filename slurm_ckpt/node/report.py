@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import job_dir_name
 from .escape import escape
 
 __all__ = ["SCRATCH_COPY", "JobReport", "report_path", "task_prolog_lines"]
@@ -33,8 +34,12 @@ _ACL_UNDEFINED_ID = 0xFFFFFFFF
 _ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
 
 
+def _report_name(job_id: str) -> str:
+    return f"{job_dir_name(job_id)}.json"
+
+
 def report_path(state_dir: Path, job_id: str) -> Path:
-    return state_dir / f"job_{job_id}.json"
+    return state_dir / _report_name(job_id)
 
 
 @dataclass
@@ -57,7 +62,7 @@ class JobReport:
         it: ``"acl"``, ``"copy"``, or ``""`` (not at all).
         """
         data = json.dumps(asdict(self), indent=1).encode()
-        if _write_root_file(state_fd, f"job_{self.job_id}.json", data, 0o600, reader=uid):
+        if _write_root_file(state_fd, _report_name(self.job_id), data, 0o600, reader=uid):
             return "acl"
         if job_fd is None:
             return ""

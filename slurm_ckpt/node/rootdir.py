@@ -10,11 +10,14 @@ directory already checked, never by the whole path.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
 
-__all__ = ["open_root_dir"]
+from ..errors import StorageError
+
+__all__ = ["open_private_subdir", "open_root_dir"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_LINKS = 40  # as the kernel's own limit on links in one lookup
@@ -110,3 +113,20 @@ def _step(fds: list[int], name: str, create_mode: int | None, *, last: bool, lin
     if why := _unsafe(fst, last):
         raise OSError(errno.EPERM, why)
     return None
+
+
+def open_private_subdir(parent_fd: int, name: str, what: str) -> int:
+    """``name`` under the checked dir ``parent_fd``, made if missing, as an fd: root's, mode 0700.
+
+    Raises StorageError (EPERM) naming ``what`` if someone else owns it: a dir
+    of root's state that is not root's was not made by a hook.
+    """
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o700, dir_fd=parent_fd)
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        raise StorageError(errno.EPERM, f"{what} is owned by uid {st.st_uid}; remove it", name)
+    os.fchmod(fd, 0o700)
+    return fd

@@ -1,7 +1,7 @@
 """Epilog stage-out of this node's shards of cross-node checkpoints.
 
 A job whose ranks each had node-local scratch leaves ``<scratch>/ckpt/rank-K/``
-dirs on every node (see ``store/shards.py``). The epilog of each node copies
+dirs on every node (see :mod:`slurm_ckpt.store.shards`). The epilog of each node copies
 this node's shards that are newer than the durable tier's newest checkpoint
 into the durable staging dirs, and assembles a checkpoint when its shard was
 the last one missing; the other nodes' epilogs then find it committed. It
@@ -12,7 +12,7 @@ another node's drain got its older shard out but died before the newer one,
 this node's older shard is what completes the last whole checkpoint.
 
 The durable tier's newest checkpoint is found with the same screens as
-scratch (see :func:`.stageout.newest_step`): the user writes both.
+scratch (see :func:`.screen.newest_step`): the user writes both.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from pathlib import Path
 from ..errors import CheckpointCorrupt
 from ..store import shards as sh
 from ..store.manifest import Manifest
-from .stageout import StageResult, newest_step, sparse_excess
+from .screen import newest_step, sparse_excess
+from .stageresult import StageResult
 
 __all__ = ["has_shards", "stage_shards"]
 

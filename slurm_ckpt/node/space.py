@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..config import format_size
+from ..fsinfo import QuotaUsage, mount_of, user_quota
 from ..store.layout import STEP_RE
+from . import commands
 from .job import Job
-from .mounts import mount_of
-from .quota import QuotaUsage, user_quota
 
 __all__ = ["SpaceCheck", "check_shared", "newest_checkpoint_size"]
 
@@ -120,7 +120,7 @@ def check_shared(root: str, job: Job, keep: int, expected: int | None, expected_
         chk.warnings.append(f"the checkpoint storage {root} has only {chk.free_inodes} free inodes")
     mount = mount_of(root, dev=dev)
     if mount is not None:
-        chk.quota = q = user_quota(mount, job.user, job.uid, timeout)
+        chk.quota = q = user_quota(mount, job.user, job.uid, timeout, commands.run)
         if q is not None:
             _quota_warnings(chk, q, plan)
     return chk

@@ -17,72 +17,27 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..errors import CheckpointCorrupt, SlurmCkptError
 from ..store.layout import TIER_FILE
 from .destination import Destination, open_destination
 from .escape import FIELD_LIMIT, escape
 from .job import Job
-from .scratch import mount_id
+from .screen import mount_id_of, screened, sparse_excess
+from .stageresult import StageResult
 from .userchild import run_as_user
-
-if TYPE_CHECKING:
-    from ..store import Candidate
-    from ..store.manifest import Manifest
 
 # The rest of the store is imported in the functions that use it, which only
 # the stage-out child calls: every epilog imports this module, few stage out.
 
-__all__ = [
-    "TIER_FILE",
-    "StageLimits",
-    "StageResult",
-    "Tier",
-    "newest_step",
-    "read_tier",
-    "sparse_excess",
-    "stage_out",
-]
+__all__ = ["StageLimits", "Tier", "read_tier", "stage_out"]
 
 log = logging.getLogger("slurm_ckpt.node")
 
 _MAX_TIER = 64 * 1024
 _MAX_KEEP = 1_000_000
-_SPARSE_SLACK = 1024**2
-_STATUSES = ("staged", "up-to-date", "none", "failed", "timeout")
-_DONE = ("staged", "up-to-date", "none")
-
-
-@dataclass(frozen=True)
-class StageResult:
-    status: str
-    """staged | up-to-date | none (nothing valid on scratch) | failed | timeout"""
-    detail: str = ""
-    step: int | None = None
-    path: str | None = None
-
-    @property
-    def scratch_disposable(self) -> bool:
-        """True when deleting scratch loses no checkpoint that exists nowhere else."""
-        return self.status in _DONE
-
-    @classmethod
-    def from_child(cls, data: bytes) -> StageResult:
-        """The child's JSON result, checked field by field; a bad one is a failure."""
-        try:
-            doc = json.loads(data)
-            status, detail, step, path = doc["status"], doc["detail"], doc["step"], doc["path"]
-        except (ValueError, TypeError, KeyError):
-            return cls("failed", "the stage-out child died without a result")
-        if status not in _STATUSES or not isinstance(detail, str):
-            return cls("failed", "the stage-out child sent a malformed result")
-        return cls(status, escape(detail, 2 * FIELD_LIMIT), step if type(step) is int else None,
-                   escape(path) if isinstance(path, str) else None)  # fmt: skip
 
 
 class _ShownPaths(logging.Filter):
@@ -149,78 +104,9 @@ def read_tier(scratch_ckpt: Path) -> Tier | None:
     return Tier(Path(os.path.normpath(durable)), keep)
 
 
-def _screened(run_dir: Path, errors: list[str], mount: int | None = None) -> Iterator[Candidate]:
-    """Checkpoints in ``run_dir`` that look valid, newest first (sizes and headers checked).
-
-    The screen runs before the store opens anything: the manifest a regular
-    file of bounded size, every file it names a regular file. A corrupt
-    checkpoint is skipped, and with ``mount``, so is one on another mount (a
-    user's FUSE mount inside scratch). One that cannot be read (EIO, EACCES)
-    is skipped too but noted in ``errors``: it might be good, so scratch must
-    be kept.
-    """
-    from ..store import Candidate, verify_checkpoint
-    from ..store.layout import list_steps
-    from ..store.manifest import MANIFEST, Manifest
-    from ..store.verify import plain_files
-
-    for step, path in list_steps(run_dir):
-        try:
-            if mount is not None and _mount_of(path) != mount:
-                continue
-            if not stat.S_ISDIR(os.lstat(path).st_mode) or not plain_files(path, [MANIFEST]):
-                continue
-            if not plain_files(path, list(Manifest.read(path).files)):
-                continue
-            man = verify_checkpoint(path, full=False)
-        except OSError as e:
-            errors.append(f"{path}: {e}")
-            continue
-        except Exception:  # CheckpointCorrupt, or a malformed file the checks did not foresee
-            continue
-        yield Candidate(step, path, man)
-
-
-def _mount_of(path: Path) -> int | None:
-    """The mount ``path`` is on, without a stat (which a user's FUSE mount may refuse)."""
-    try:
-        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        return mount_id(fd)
-    finally:
-        os.close(fd)
-
-
-def newest_step(run_dir: Path) -> int | None:
-    """Step of the newest checkpoint in ``run_dir`` that passes the screens and the quick check."""
-    cand = next(_screened(run_dir, []), None)
-    return cand.step if cand else None
-
-
-def sparse_excess(path: Path, man: Manifest, limit: int) -> str | None:
-    """Why checkpoint ``path`` may not be copied out dense, or None.
-
-    A copy writes every byte of a file's apparent size. Holes in a sparse
-    file cost scratch nothing, so a job could ask for far more than it ever
-    stored: past ``limit`` (its reservation), only what it really stored on
-    scratch may be written out.
-    """
-    apparent = stored = 0
-    for name in man.files:
-        st = os.lstat(path / name)
-        apparent += st.st_size
-        stored += st.st_blocks * 512
-    if apparent <= max(limit, stored) + _SPARSE_SLACK:
-        return None
-    return (f"{path}: sparse files of {apparent} bytes ({stored} stored on scratch) would be written out "
-            f"dense, more than the job's reservation of {limit} bytes; not staged")  # fmt: skip
-
-
 def _stage(scratch_ckpt: Path, default_durable: Path | None, limits: StageLimits, lock_timeout: float) -> StageResult:
-    scratch_mnt = _mount_of(scratch_ckpt.parent)
-    if _mount_of(scratch_ckpt) != scratch_mnt:
+    scratch_mnt = mount_id_of(scratch_ckpt.parent)
+    if mount_id_of(scratch_ckpt) != scratch_mnt:
         # Checked before anything is read there: a user's FUSE mount may never answer.
         return StageResult("none", f"{scratch_ckpt} is a mount, not the job's scratch")
     tier = read_tier(scratch_ckpt)
@@ -243,7 +129,7 @@ def _stage(scratch_ckpt: Path, default_durable: Path | None, limits: StageLimits
         res = stage_shards(scratch_ckpt, dest.path, lock_timeout, keep=keep, sparse_bytes=limits.sparse_bytes)
         return _shown(res, dest, refused)
     errors: list[str] = []
-    candidates = _screened(scratch_ckpt, errors, scratch_mnt)
+    candidates = screened(scratch_ckpt, errors, scratch_mnt)
     first = next(candidates, None)
     if first is None:
         if errors:
@@ -254,7 +140,7 @@ def _stage(scratch_ckpt: Path, default_durable: Path | None, limits: StageLimits
     dest, refused = _destination(wanted, limits)
     if dest is None:
         return StageResult("failed", refused)
-    newest = next(_screened(dest.path, []), None)
+    newest = next(screened(dest.path, []), None)
     for cand in (first, *candidates):
         if newest is not None and newest.step >= cand.step:
             return _shown(StageResult("up-to-date", f"{dest.path} has step {newest.step}", newest.step,

@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..config import load_config
+from ..config import job_dir_name, load_config
 from ..errors import ConfigError
 from .report import SCRATCH_COPY, JobReport, report_path, task_prolog_lines
 from .scratch import STATE_DIR
@@ -33,5 +33,5 @@ def task_prolog(env: Mapping[str, str] | None = None) -> list[str]:
     base = Path(cfg.scratch.base)
     # Root's report is readable by this user through an ACL, or else as a copy in the job's scratch.
     report = JobReport.read(report_path(base / STATE_DIR, job_id)) or JobReport.read(
-        base / f"job_{job_id}" / SCRATCH_COPY)
+        base / job_dir_name(job_id) / SCRATCH_COPY)
     return task_prolog_lines(report, first_task=env.get("SLURM_LOCALID", "0") == "0")

@@ -22,7 +22,8 @@ from .._env import scratch_dir
 from ..config import StorageConfig
 from ..ranks import open_group
 from ..store import RunDir
-from ..store.tiers import fast_dir, usable_scratch
+from ..store.layout import fast_dir
+from ..store.tiers import usable_scratch
 from .base import Load, Placement
 from .collective import Collective
 from .crossnode import CrossNode

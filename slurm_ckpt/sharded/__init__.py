@@ -50,6 +50,7 @@ from ..config import Config
 from ..errors import CheckpointCorrupt
 from ..store import iter_valid, note_skip
 from ..store.layout import step_dir
+from ..store.manifest import MANIFEST
 from ..store.verify import Skipped
 from .loader import Loaded, load_one
 from .parts import Ranks, prepare, split
@@ -161,9 +162,9 @@ def load(
     ranks = Ranks(process_group)
     root = Path(path).absolute()
     exact = parse_checkpoint_id(root)
-    if exact is not None and not (root / "MANIFEST.json").exists() and step_dir(*exact).is_dir():
+    if exact is not None and not (root / MANIFEST).exists() and step_dir(*exact).is_dir():
         root = step_dir(*exact)
-    one = (root / "MANIFEST.json").exists()
+    one = (root / MANIFEST).exists()
     cands = None
     if ranks.rank == 0:
         cands = iter([root]) if one else (c.path for c in iter_valid([*map(Path, search), root], full=False, skipped=skipped))

@@ -3,13 +3,13 @@
 Why crc32 (zlib's) and not crc32c or xxhash: every Python has ``zlib``, so every
 install can verify every checkpoint with no extra package. ``crc32`` here is
 that same function, computed by ISA-L when the optional ``isal`` package is
-installed (``pip install slurm-ckpt[fast]``): identical values, 25-29 GB/s
-a core against zlib's 6.9 on the development VM (``python bench/checksums.py``),
-and like zlib it releases the GIL, so worker threads checksum in parallel.
-At zlib's speed crc32 costs 0.15 s of CPU per GiB, which on a 2-core machine
-competes with the I/O threads; with ISA-L it is 0.04 s. crc32c (16.5 GB/s) or
-xxh3 (32 GB/s) would be no faster, and would make checkpoints unverifiable
-wherever their package is missing.
+installed (``pip install slurm-ckpt[fast]``): identical values, several times
+faster, and like zlib it releases the GIL, so worker threads checksum in
+parallel. At zlib's speed the checksum's CPU time is felt on a machine with
+few cores, where it competes with the I/O threads. crc32c and xxh3 are no
+faster than ISA-L's crc32, and would make checkpoints unverifiable wherever
+their package is missing (``python bench/checksums.py`` measures all of them
+on a given machine).
 
 Chunks are checksummed independently by the worker that moves them and then
 combined in file order with :func:`crc32_combine` (zlib's algorithm: multiply
@@ -41,9 +41,10 @@ except ImportError:
 def crc_threads() -> int:
     """Threads to checksum beside the I/O threads: half the cores, 1 to 4.
 
-    crc32 runs at ~7 GB/s a core (zlib), so 4 keep up with ~25 GB/s of disks,
-    and the other half of the cores stay free to keep the I/O flowing (on 2
-    cores, writing: 3.0 GB/s with one crc thread, 2.8 with two).
+    One core's crc32 keeps up with a fast disk, so a few keep up with several;
+    the other half of the cores stay free to keep the I/O flowing, which
+    matters most on a machine with few cores, where a second crc thread
+    takes time from the writers.
     """
     try:
         cores = len(os.sched_getaffinity(0))

@@ -136,9 +136,8 @@ def _tensor_lines(tensors: dict[str, Any]) -> bytes:
     """The tensor index as JSON, one tensor a line.
 
     ``indent`` would put every field on a line of its own, and it makes
-    ``json`` fall back from its C encoder to pure Python: 35 ms against 10 ms
-    for 10,000 tensors in a one-off timing on the development VM, paid on
-    every save. A ``}, "``
+    ``json`` fall back from its C encoder to pure Python, several times
+    slower for a state of many tensors, paid on every save. A ``}, "``
     in the one-line form can only be the end of one entry and the start of
     the next, since a quote inside a JSON string is always escaped; breaking
     the line there keeps the text valid JSON whatever the keys hold.

@@ -84,10 +84,11 @@ def discard_checkpoint(path: Path, *, later: bool = False) -> None:
 
     ``later``: the rename happens now, the delete on a thread of its own
     (:func:`reaped` waits for it). Retention after a save uses it, so that the
-    save returns at its commit: freeing a 1 GiB checkpoint's blocks made a sync
-    save 1.37-1.46x slower on an ext4 mounted with ``discard`` (``python
-    bench/retention.py``), and a delete running beside the save costs it about
-    as much (1.40x), because their fsyncs share the journal commit that frees them.
+    save returns at its commit: freeing a large checkpoint's blocks can slow a
+    sync save markedly, on an ext4 mounted with ``discard`` most of all, and a
+    delete running beside the save costs it about as much, because their
+    fsyncs share the journal commit that frees them (``python
+    bench/retention.py`` measures both).
     """
     trash = tmp_dir_for(path.parent, path.name)
     try:

@@ -19,11 +19,12 @@ import os
 import random
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..errors import ConfigError, NoSpace, SlurmCkptError, StorageError, storage_error
+from ..fsinfo import mount_for
 from .retention import apply_retention, reaped, remove_stale_tmp
 
 if TYPE_CHECKING:
@@ -31,12 +32,9 @@ if TYPE_CHECKING:
     from .commit import WriteFn
 
 __all__ = [
-    "NETWORK_FS",
-    "Mount",
     "RetryPolicy",
     "Target",
     "commit_resilient",
-    "mount_for",
     "prune_for_space",
     "pruned_once",
     "retry_call",
@@ -54,74 +52,6 @@ class Target(Protocol):
     def path(self) -> Path: ...
 
     def commit(self, step: int, write: WriteFn, **meta: Any) -> Path: ...
-
-NETWORK_FS = frozenset({
-    "nfs", "nfs4", "lustre", "ceph", "cifs", "smb3", "smbfs", "gpfs", "beegfs", "glusterfs",
-    "9p", "afs", "panfs", "wekafs", "orangefs", "pvfs2", "fuse", "fuseblk",
-})  # fmt: skip
-"""Filesystem types (and every ``fuse.*`` subtype) where EIO is often transient."""
-
-
-@dataclass(frozen=True)
-class Mount:
-    """One line of ``/proc/self/mountinfo``: the mount that holds a path."""
-
-    mount_point: str
-    fstype: str
-    source: str
-    device: str
-    """``major:minor`` of the filesystem (for cgroup io limits)."""
-    options: dict[str, str] = field(default_factory=dict)
-    """Per-mount options (ro, noatime, ...) merged with the superblock options (vers=, actimeo=...)."""
-
-    @property
-    def is_network(self) -> bool:
-        return self.fstype in NETWORK_FS or self.fstype.startswith("fuse.")
-
-    @property
-    def read_only(self) -> bool:
-        return "ro" in self.options
-
-
-def _unescape(s: str) -> str:
-    # mountinfo writes space, tab, newline and backslash as \ooo octal escapes.
-    return s.encode().decode("unicode_escape") if "\\" in s else s
-
-
-def _parse_opts(s: str) -> dict[str, str]:
-    out = {}
-    for item in s.split(","):
-        if item:
-            k, _, v = item.partition("=")
-            out[k] = v
-    return out
-
-
-def mount_for(path: str | os.PathLike[str], mountinfo: str = "/proc/self/mountinfo") -> Mount | None:
-    """The mount holding ``path`` (or, if it does not exist yet, its nearest existing parent)."""
-    p = os.path.abspath(path)
-    while not os.path.exists(p) and p != "/":
-        p = os.path.dirname(p)
-    real = os.path.realpath(p)
-    best: Mount | None = None
-    try:
-        with open(mountinfo) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        left, sep, right = line.partition(" - ")
-        lf, rf = left.split(), right.split()
-        if not sep or len(lf) < 6 or len(rf) < 2:
-            continue
-        mp = _unescape(lf[4])
-        inside = real == mp or real.startswith(mp.rstrip("/") + "/")
-        # Longest mount point wins; among equals the later line, which is mounted on top.
-        if inside and (best is None or len(mp) >= len(best.mount_point)):
-            opts = _parse_opts(rf[2] if len(rf) > 2 else "")
-            opts.update(_parse_opts(lf[5]))
-            best = Mount(mp, rf[0], _unescape(rf[1]), lf[2], opts)
-    return best
 
 
 def _errno_of(name: str) -> int:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from ..errors import storage_error
 from .drainer import Drainer
 from .fsutil import fsync_dir, write_file_durably
-from .layout import FAST_SUBDIR, TIER_FILE, fast_dir
+from .layout import TIER_FILE, fast_dir
 from .manifest import MANIFEST
 from .retry import RetryPolicy, prune_for_space, pruned_once, retry_call
 from .transfer import copy_checkpoint
@@ -45,7 +45,7 @@ from .verify import find_latest, is_committed
 if TYPE_CHECKING:
     from . import RunDir
 
-__all__ = ["FAST_SUBDIR", "TIER_FILE", "Tiers", "fast_dir", "read_dirs", "usable_scratch"]
+__all__ = ["Tiers", "read_dirs", "usable_scratch"]
 
 log = logging.getLogger("slurm_ckpt")
 

@@ -86,9 +86,10 @@ from ..config import Config, WrapperConfig, job_dir_name
 from ..control import parse_signal
 from ..errors import ConfigError, SlurmError
 from ..node.cgroup import join_io_cgroup
+from ..protocol import CONTROL_ENV, SIGNAL_ENV
 from ..slurm import SlurmCommandMissing, SlurmEnv
 from ..store import find_latest
-from ..store.tiers import fast_dir
+from ..store.layout import fast_dir
 from .backend import JobBackend, LocalJob, SlurmJob
 from .channel import ControlServer
 from .events import Events
@@ -133,7 +134,7 @@ def run_wrapper(
     # so the trainer and every worker it forks inherit the job's I/O limits.
     join_io_cgroup(env=env)
     with ControlServer() as server, SignalTrap([sig, _TERM, _INT, _CHLD]) as trap:
-        child_env["SLURM_CKPT_CONTROL"] = server.path
+        child_env[CONTROL_ENV] = server.path
         run_no = 1
         while True:
             events = Events(rank=rank, run=run_no)
@@ -213,7 +214,7 @@ def _child_env(
 ) -> dict[str, str]:
     out = dict(env)
     out["SLURM_CKPT_DIR"] = str(ckpt_dir)
-    out["SLURM_CKPT_SIGNAL"] = sig_name
+    out[SIGNAL_ENV] = sig_name
     cfg.engine.torch_env(out)
     if not out.get("SLURM_CKPT_SCRATCH") and slurm.job_id and cfg.scratch.base:
         # The prolog's per-job scratch, when the TaskProlog did not export it.

@@ -12,8 +12,9 @@ import pytest
 
 from slurm_ckpt import Checkpointer, StorageError
 from slurm_ckpt.config import StorageConfig
+from slurm_ckpt.fsinfo import mount_for
 from slurm_ckpt.store.layout import list_steps
-from slurm_ckpt.store.retry import RetryPolicy, mount_for, retry_call
+from slurm_ckpt.store.retry import RetryPolicy, retry_call
 from tests.faultfs import FaultFS
 from tests.faults.helpers import check_state, state
 

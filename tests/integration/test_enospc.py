@@ -140,7 +140,8 @@ def test_the_epilog_stage_out_makes_room_with_the_jobs_keep(
 
     from slurm_ckpt.node.job import Job
     from slurm_ckpt.node.stageout import StageLimits, read_tier, stage_out
-    from slurm_ckpt.store.tiers import TIER_FILE, write_tier_file
+    from slurm_ckpt.store.layout import TIER_FILE
+    from slurm_ckpt.store.tiers import write_tier_file
 
     durable = tmpfs("8m")
     with Checkpointer(durable, scratch=False, keep=10) as ck:

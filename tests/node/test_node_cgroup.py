@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from slurm_ckpt.config import IOConfig, IOLimits
+from slurm_ckpt.fsinfo import block_device, cgroup_mount, mount_of
 from slurm_ckpt.node import run_epilog, run_prolog, task_prolog
 from slurm_ckpt.node.cgroup import V1_PARENT, apply_v2, remove_v1, setup_v1
-from slurm_ckpt.node.mounts import block_device, cgroup_mount, mount_of
 from tests.node.helpers import User, make_cfg, owned_tree
 
 MiB = 2**20

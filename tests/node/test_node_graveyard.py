@@ -26,7 +26,7 @@ from slurm_ckpt.node import Ledger, run_epilog, run_prolog
 from slurm_ckpt.node.graveyard import GRAVE_DIR, reap
 from slurm_ckpt.node.ledger import GRAVE
 from slurm_ckpt.node.scratch import STATE_DIR
-from slurm_ckpt.node.stageout import StageResult
+from slurm_ckpt.node.stageresult import StageResult
 from slurm_ckpt.store import find_latest
 from tests.node.helpers import PATH, User, fuse_of, make_cfg, sh, write_ckpt
 
@@ -346,3 +346,23 @@ def test_a_busy_loop_image_keeps_its_reservation_until_it_is_really_unmounted(
 
     wait_for("the image to be freed", freed)
     assert entries(base) == {}
+
+
+@pytest.mark.parametrize("opener", ["graveyard", "image dir"])
+def test_a_root_state_subdir_owned_by_a_user_is_refused(tmp_path: Path, user: User, opener: str) -> None:
+    from slurm_ckpt.errors import StorageError
+    from slurm_ckpt.node import loopfs
+    from slurm_ckpt.node.graveyard import open_grave
+
+    open_dir, name = {"graveyard": (open_grave, GRAVE_DIR), "image dir": (loopfs.open_image_dir, loopfs.IMAGE_DIR)}[opener]
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    state_fd = os.open(state, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.close(open_dir(state_fd))  # made root's, 0700
+        assert (os.stat(state / name).st_uid, os.stat(state / name).st_mode & 0o777) == (0, 0o700)
+        os.chown(state / name, user.uid, user.gid)
+        with pytest.raises(StorageError, match=f"uid {user.uid}; remove it"):
+            open_dir(state_fd)
+    finally:
+        os.close(state_fd)

@@ -16,7 +16,7 @@ import pytest
 
 from slurm_ckpt.node import Ledger, run_epilog, run_prolog, task_prolog
 from slurm_ckpt.node.scratch import STATE_DIR
-from slurm_ckpt.node.stageout import StageResult
+from slurm_ckpt.node.stageresult import StageResult
 from slurm_ckpt.store import find_latest, verify_checkpoint
 from slurm_ckpt.store.layout import list_steps
 from tests.node.helpers import User, fuse_of, make_cfg, owned_tree, sh, write_ckpt

@@ -17,7 +17,7 @@ import pytest
 
 from slurm_ckpt.node.escape import RECORD_LIMIT, escape
 from slurm_ckpt.node.hook import setup_logging
-from slurm_ckpt.node.stageout import StageResult
+from slurm_ckpt.node.stageresult import StageResult
 from slurm_ckpt.node.userchild import OUTPUT_LIMIT
 from slurm_ckpt.store.manifest import FORMAT, VERSION
 from tests.node.helpers import (

@@ -17,16 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from slurm_ckpt.node import run_epilog, run_prolog
-from slurm_ckpt.node.job import Job
-from slurm_ckpt.node.mounts import Mount, mount_of
-from slurm_ckpt.node.quota import (
+from slurm_ckpt.fsinfo import (
+    Mount,
     get_project,
-    limit_argv,
+    mount_of,
     parse_quota_lines,
     set_project,
     user_quota,
 )
+from slurm_ckpt.node import commands, run_epilog, run_prolog
+from slurm_ckpt.node.job import Job
+from slurm_ckpt.node.quota import limit_argv
 from slurm_ckpt.node.space import check_shared, newest_checkpoint_size
 from tests.faultfs.control import FaultFS
 from tests.node.helpers import User, make_cfg, owned_tree, sh, write_ckpt
@@ -87,7 +88,7 @@ def test_quota_and_lfs_output_are_parsed() -> None:
 def test_quota_tool_on_a_filesystem_without_quota_says_nothing(pub_tmp: Path) -> None:
     mount = mount_of(pub_tmp)
     assert mount is not None
-    assert user_quota(mount, "root", 0, 10) is None  # the real `quota` binary, no quota here
+    assert user_quota(mount, "root", 0, 10, commands.run) is None  # the real `quota` binary, no quota here
 
 
 @pytest.fixture
@@ -147,8 +148,8 @@ def test_a_hung_storage_check_costs_the_prolog_only_check_timeout(
 
 def test_project_limits_bound_inodes_as_well_as_blocks() -> None:
     """The command that sets a job's project quota (the seam: this kernel has no quota)."""
-    xfs = Mount("/scratch", "xfs", "/dev/sdb", (8, 16), frozenset({"prjquota"}))
-    ext4 = Mount("/scratch", "ext4", "/dev/sdb", (8, 16), frozenset({"prjquota"}))
+    xfs = Mount("/scratch", "xfs", "/dev/sdb", (8, 16), {"prjquota": ""})
+    ext4 = Mount("/scratch", "ext4", "/dev/sdb", (8, 16), {"prjquota": ""})
     assert limit_argv(xfs, 77, 2 * MiB, 5000) == ["xfs_quota", "-x", "-c",
                                                   f"limit -p bhard={2 * MiB} ihard=5000 77", "/scratch"]  # fmt: skip
     assert limit_argv(ext4, 77, 2 * MiB, 5000) == ["setquota", "-P", "77", "0", "2048", "0", "5000", "/scratch"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -166,10 +167,13 @@ def test_hostile_sizes_give_warnings_and_the_default(site: dict[str, Path], user
     assert not (site["base"] / "job_21").exists()
 
 
-def test_a_header_without_data_offsets_is_a_corrupt_checkpoint_not_a_pin(site: dict[str, Path], user: User) -> None:
+def test_a_header_without_data_offsets_is_a_corrupt_checkpoint_not_a_pin(
+    site: dict[str, Path], user: User, capfd: pytest.CaptureFixture[str]
+) -> None:
     """Every stage-out failure is caught: a data file whose safetensors header lacks
     ``data_offsets`` once raised a KeyError that kept scratch forever. It is now a
-    corrupt checkpoint: skipped, and the older good one staged."""
+    corrupt checkpoint: skipped, with the reason in the hook log, and the older good
+    one staged."""
     import torch
 
     from slurm_ckpt.errors import CheckpointCorrupt
@@ -195,6 +199,8 @@ def test_a_header_without_data_offsets_is_a_corrupt_checkpoint_not_a_pin(site: d
     res = epilog(site, user, "31")
     assert res is not None and res.status == "staged" and res.step == 1, res
     assert not job.exists()
+    log = capfd.readouterr().err  # the hook log, without --log
+    assert re.search(r"passes over \S*step-000000002: .*data_offsets", log), log
 
 
 def test_a_fifo_at_the_lock_owner_note_does_not_hang_the_stage_out(site: dict[str, Path], user: User) -> None:

@@ -16,7 +16,7 @@ import filelock
 import pytest
 
 from slurm_ckpt.node import run_epilog, run_prolog
-from slurm_ckpt.node.stageout import StageResult
+from slurm_ckpt.node.stageresult import StageResult
 from slurm_ckpt.store import verify_checkpoint
 from slurm_ckpt.store.layout import list_steps
 from slurm_ckpt.store.manifest import MANIFEST, Manifest

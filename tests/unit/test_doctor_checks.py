@@ -8,6 +8,7 @@ controller, and a kernel with quota support (this one is built without).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,9 +21,9 @@ from slurm_ckpt.doctor import Context, Report, Severity
 from slurm_ckpt.doctor.cgroupio import check_cgroup_io, io_limits
 from slurm_ckpt.doctor.mounts import check_mount
 from slurm_ckpt.doctor.pagecache import check_pagecache
-from slurm_ckpt.doctor.quota import Quota, check_quota
+from slurm_ckpt.doctor.quota import check_quota
 from slurm_ckpt.doctor.slurmconf import SlurmConf, check_slurm_conf, check_timing
-from slurm_ckpt.store.retry import Mount, mount_for
+from slurm_ckpt.fsinfo import Mount, Quota, mount_for
 
 # A site's slurm.conf as it looks in the wild: includes, comments, node and
 # partition lines, and several settings that hurt checkpointing.
@@ -191,10 +192,11 @@ def test_cgroup_v2_io_max_tightest_ancestor_wins(tmp_path: Path) -> None:
     pc.write_text("0::/system.slice/slurmstepd.scope/job_42\n")
     lim = io_limits("259:0", proc_cgroup=str(pc), mountinfo=str(mi))
     assert lim is not None and lim.version == 2 and lim.limits == {"wbps": 50_000_000}
-    m = Mount("/local", "xfs", "/dev/nvme0n1", "259:0", {"rw": ""})
+    m = Mount("/local", "xfs", "/dev/nvme0n1", (259, 0), {"rw": ""})
+    (tmp_path / "sys/dev/block/259:0").mkdir(parents=True)  # the disk as sysfs lists it
     r = Report("x")
     ctx = ctx_for(tmp_path, ckpt_size=20 * 10**9, lead_time=120.0)
-    check_cgroup_io(r, ctx, m, proc_cgroup=str(pc), mountinfo=str(mi), sysfs=tmp_path / "nosys")
+    check_cgroup_io(r, ctx, m, proc_cgroup=str(pc), mountinfo=str(mi), sysfs=tmp_path / "sys")
     sev, msg, fix = by(r, "cgroup")[0]
     assert sev == Severity.ERROR and "50 MB/s" in msg and "needs 400 s" in msg and "io.max" in fix
 
@@ -203,7 +205,7 @@ def test_quota_arithmetic(tmp_path: Path) -> None:
     # This kernel has no CONFIG_QUOTA, so no real quota can exist; the quotactl seam is swapped.
     m = mount_for(tmp_path)
     assert m is not None
-    m = type(m)(m.mount_point, m.fstype, "/dev/fake", m.device, m.options)
+    m = dataclasses.replace(m, source="/dev/fake")
     quotas = {"user": Quota("user", os.geteuid(), used=9 * 10**9, limit=10 * 10**9)}
 
     def getter(dev: str, kind: str, qid: int) -> Quota | None:

@@ -62,8 +62,23 @@ def _ancestors(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """Module -> the package modules importing it imports at once."""
+def _all_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run, the lazy ones in functions included."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    todo: list[ast.AST] = list(body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo += node.orelse
+        else:
+            todo += ast.iter_child_nodes(node)
+    return found
+
+
+def import_graph(root: Path = ROOT, *, lazy: bool = False) -> dict[str, set[str]]:
+    """Module -> the package modules importing it imports at once (``lazy``: or ever)."""
     mods = _modules(root)
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
@@ -72,7 +87,8 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
         own = set(_ancestors(mod)) | ({mod} if is_pkg else set())
         # (module, whether a name is read from its namespace)
         targets: list[tuple[str, bool]] = []
-        for node in _runtime_imports(ast.parse(path.read_text(), str(path)).body):
+        body = ast.parse(path.read_text(), str(path)).body
+        for node in (_all_imports if lazy else _runtime_imports)(body):
             if isinstance(node, ast.Import):
                 targets += [(a.name, False) for a in node.names]
                 continue
@@ -172,3 +188,25 @@ def test_no_import_cycles() -> None:
     assert not found, "import cycles in slurm_ckpt (break them with a module of its own):\n" + "\n".join(
         " -> ".join(c) for c in found
     )
+
+
+def test_no_import_cycles_through_lazy_imports() -> None:
+    # A function-level import keeps the hooks fast; it must not hide a loop
+    # between two modules either (stage-out and shard stage-out had one).
+    found = cycles(import_graph(lazy=True))
+    assert not found, "import cycles in slurm_ckpt through function-level imports:\n" + "\n".join(
+        " -> ".join(c) for c in found
+    )
+
+
+def test_lazy_imports_are_seen(tmp_path: Path) -> None:
+    pkg = tmp_path / PACKAGE
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
+    assert cycles(import_graph(pkg, lazy=True)) == []  # a type-only import never runs
+    (pkg / "b.py").write_text("def f():\n    if True:\n        from .a import x\n")
+    assert cycles(import_graph(pkg)) == []
+    assert cycles(import_graph(pkg, lazy=True)) == [[f"{PACKAGE}.a", f"{PACKAGE}.b"]]
+
