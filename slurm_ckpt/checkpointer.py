@@ -10,14 +10,17 @@ from typing import Any
 from ._env import default_run_dir, job_id
 from .config import Config, load_config
 from .control import Control
-from .engine import Engine, SaveHandle
+from .engine import Engine, SaveHandle, SaveJob
 from .engine.handle import start_save, take_error
 from .errors import ConfigError
 from .metrics import Metrics
 from .placement import choose
 from .ranks import rank_info
+from .sharded.job import ShardJob
+from .sharded.parts import holds_dtensor
 from .store import RunDir, Skipped, find_latest
 from .store.commit import WriteFn
+from .store.manifest import is_chunked
 from .store.retention import reaped
 from .store.tiers import Tiers
 
@@ -189,13 +192,23 @@ class Checkpointer:
         return self._save_sync(state, step)
 
     def _save_sync(self, state: Any, step: int) -> Path:
-        job = self.engine.job(state, allow_pickle=self.allow_pickle)
+        job = self._job(state, "sync")
         try:
-            path = self._commit(step, job.write, job.nbytes)
+            path = self._commit(step, job.write, job.nbytes, **_meta(job))
         finally:
             job.close()
         self._committed(step, path)
         return path
+
+    def _job(self, state: Any, mode: str) -> SaveJob | ShardJob:
+        """What writes ``state``: the engine's job, or for a state holding DTensors
+        (collectively, on the placement's ranks) each rank's shards (``sharded/job.py``)."""
+        if holds_dtensor(state):
+            from .sharded.job import make_job
+
+            return make_job(state, group=self.placement.group, engine=self.engine, allow_pickle=self.allow_pickle,
+                            background=mode != "sync")  # fmt: skip
+        return self.engine.job(state, allow_pickle=self.allow_pickle, mode=mode)
 
     def save_async(self, state: Any, step: int) -> SaveHandle:
         """Capture ``state`` and write it in the background.
@@ -213,12 +226,12 @@ class Checkpointer:
         """
         self._check_open()
         self._drain_inflight()
-        job = self.engine.job(state, allow_pickle=self.allow_pickle, mode="auto")
+        job = self._job(state, "auto")
         handle = SaveHandle(step, job.captured, job.mode)
 
         def work() -> Path:
             try:
-                path = self._commit(step, job.write, job.nbytes)
+                path = self._commit(step, job.write, job.nbytes, **_meta(job))
                 self._committed(step, path)
             except BaseException as e:  # surfaced on wait() and the next save
                 log.error("background save of step %d failed: %s", step, e)
@@ -232,10 +245,10 @@ class Checkpointer:
         start_save(handle, work, cleanup=job.close)
         return handle
 
-    def _commit(self, step: int, write: WriteFn, nbytes: int) -> Path:
+    def _commit(self, step: int, write: WriteFn, nbytes: int, **meta: Any) -> Path:
         """Commit one checkpoint where the placement puts it, timed for the metrics."""
         with self.metrics.time_save(step, nbytes):
-            return self.placement.commit(step, write, nbytes=nbytes, job_id=job_id())
+            return self.placement.commit(step, write, nbytes=nbytes, job_id=job_id(), **meta)
 
     def _drain_inflight(self, *, policy: bool = True) -> None:
         """Wait for the background save. Its error, unless raised already (by the
@@ -317,7 +330,13 @@ class Checkpointer:
 
         def load_state(p: Path, m: Any, *, map_location: Any, trusted: bool) -> Any:
             with self.metrics.time_load() as loaded:
-                state = self.engine.load(p, m, map_location=map_location, trusted=trusted, mmap=mmap, into=into)
+                if is_chunked(m):  # DTensor states: every rank its parts, at any world size
+                    from .sharded.loader import load_checkpoint
+
+                    state = load_checkpoint(p, m, into=into, group=self.placement.group, trusted=trusted,
+                                            device=map_location, config=self.config)  # fmt: skip
+                else:
+                    state = self.engine.load(p, m, map_location=map_location, trusted=trusted, mmap=mmap, into=into)
                 loaded.append(int(m.nbytes or sum(r.size for r in m.files.values())))
             return state
 
@@ -351,3 +370,8 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _meta(job: SaveJob | ShardJob) -> dict[str, Any]:
+    """Manifest fields a job adds: those that make a DTensor state's checkpoint chunked."""
+    return {"extra": job.extra} if isinstance(job, ShardJob) else {}

@@ -243,13 +243,26 @@ def doctor(
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all timings as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a bar chart (PNG).")
 @click.option("--no-small", is_flag=True, help="Skip the 10,000-small-tensors case.")
+@click.option("--sharded", is_flag=True,
+              help="Instead: an FSDP2 state saved by 2 ranks and loaded at 2, 3 and 1, against dcp.save/dcp.load.")  # fmt: skip
 @_errors_to_exit
-def bench(size: str, dir: str, reps: int, json_path: str | None, plot_path: str | None, no_small: bool) -> None:
+def bench(size: str, dir: str, reps: int, json_path: str | None, plot_path: str | None, no_small: bool,
+          sharded: bool) -> None:  # fmt: skip
     """Measure our saves and loads against torch.save, DCP, safetensors and the raw disk,
-    and background saves' stalls against the sync save and one memcpy of the state."""
+    and background saves' stalls against the sync save and one memcpy of the state.
+    With --sharded: an FSDP2 state through the Checkpointer against dcp.save/dcp.load."""
     from .config import parse_size
 
     load_config().engine.torch_env(os.environ)  # as `slurm-ckpt run` gives its command
+    if sharded:
+        from .bench.sharded import format_sharded, run_sharded_bench
+
+        doc = run_sharded_bench(parse_size(size), Path(dir), reps=max(1, reps),
+                                progress=lambda line: click.echo(line, err=True))  # fmt: skip
+        click.echo(format_sharded(doc))
+        if json_path:
+            Path(json_path).write_text(json.dumps(doc, indent=1))
+        return
     from .bench import format_table, plot, run_bench
 
     doc = run_bench(parse_size(size), Path(dir), reps=max(1, reps), small=not no_small,

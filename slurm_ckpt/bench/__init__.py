@@ -21,7 +21,8 @@ of an exact snapshot: one memcpy of the state into a reused buffer.
 Modules: ``run`` (the methods and their order), ``state`` (what is saved),
 ``disk`` (the raw limit, the cold cache), ``peers`` (torch.save, DCP,
 safetensors), ``report`` (the table and chart), ``scripts`` (what the
-scripts in ``bench/`` share).
+scripts in ``bench/`` share), ``sharded`` (``--sharded``: an FSDP2 state over
+several ranks against ``dcp.save``/``dcp.load``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,12 @@ tensor index maps each DCP key (the flattened name, ``model.0.weight``) to::
 
     {"bytes": {"file": "dcp-00000.safetensors", "at": 123, "size": 52, "block": 65536, "crc32": ["..."]}}
 
+A checkpoint saved by several ranks through ``Checkpointer.save`` keeps each
+rank's files in its own ``rank-NNNNN/`` dir (``store/shards/``), and the
+manifest names each rank's entries ``rank-NNNNN/<key>``, with that rank's
+chunks and file names under the prefix. :func:`global_index` folds them back
+into one entry per key, its chunks gathered from every rank.
+
 ``at`` is the chunk's byte offset in its file and ``crc32`` lists the crc32 of
 each ``block`` bytes of it (the last block may be shorter). So a loader at any
 world size can tell, from the manifest alone, which bytes of which files hold
@@ -37,20 +43,22 @@ from typing import Any
 
 from ..errors import CheckpointCorrupt
 from ..store.codec import decode_state, encode_state, st_dtype, torch_dtype
-from ..store.manifest import Manifest
+from ..store.manifest import CHUNKED, Manifest, is_chunked
+from ..store.shards import rank_of
 
 __all__ = [
     "LAYOUT",
     "Stored",
     "block_size",
     "chunk_key",
+    "global_index",
     "index_entries",
     "is_dcp",
     "metadata_of",
     "planner_extra",
 ]
 
-LAYOUT = "dcp"
+LAYOUT = CHUNKED
 BLOCKS = 64
 """Crcs per chunk, at most."""
 MIN_BLOCK = 64 << 10
@@ -82,7 +90,33 @@ class Stored:
 
 def is_dcp(man: Manifest) -> bool:
     """Whether ``man`` describes a checkpoint written in the DCP layout."""
-    return man.extra.get("layout") == LAYOUT
+    return is_chunked(man)
+
+
+def global_index(man: Manifest) -> dict[str, dict[str, Any]]:
+    """The manifest's tensor index with one entry per key, whoever wrote its chunks.
+
+    In a checkpoint whose files lie in ``rank-NNNNN/`` dirs every key carries
+    its rank's prefix; the entries of one key are merged (their chunks
+    concatenated), and must agree on everything else.
+    """
+    if not any(rank_of(name.split("/", 1)[0]) is not None for name in man.files if "/" in name):
+        return man.tensors
+    out: dict[str, dict[str, Any]] = {}
+    for key, entry in man.tensors.items():
+        head, sep, fqn = key.partition("/")
+        if not sep or rank_of(head) is None:
+            raise CheckpointCorrupt(f"checkpoint step {man.step}: tensor key {key!r} names no rank's dir")
+        have = out.get(fqn)
+        if have is None:
+            out[fqn] = dict(entry)
+            continue
+        if "chunks" not in entry or "chunks" not in have or any(
+            have.get(f) != entry.get(f) for f in ("dtype", "shape", "placements", "mesh")
+        ):
+            raise CheckpointCorrupt(f"checkpoint step {man.step}: the ranks' entries of {fqn!r} disagree")
+        have["chunks"] = [*have["chunks"], *entry["chunks"]]
+    return out
 
 
 def chunk_key(fqn: str, offsets: Any) -> str:
@@ -161,7 +195,7 @@ def metadata_of(man: Manifest, where: str) -> Any:
                 raise ValueError(f"bytes {at}-{at + length} lie outside {rec['file']}")
             return Stored(str(rec["file"]), at, length, block, crcs)
 
-        for fqn, entry in man.tensors.items():
+        for fqn, entry in global_index(man).items():
             if "bytes" in entry:
                 rec = entry["bytes"]
                 sdm[fqn] = BytesStorageMetadata()

@@ -18,8 +18,15 @@ that tensor holds part of the file (as with the engine's in-place reads), and
 the caller loads an older checkpoint over it. Everything else is read into a
 buffer, verified, and copied out.
 
-The reads are ordinary buffered ``preadv`` calls on a thread pool (they and the
-crc32 release the GIL).
+The reads run on a thread pool (they, the copies and the crc32 release the
+GIL). They bypass the page cache where the filesystem allows: ``O_DIRECT``
+reads of the aligned span into one of the engine's bounce buffers, copied to
+their place (``engine/reader.py``), in stretches of up to ``STRETCH`` bytes;
+where ``O_DIRECT`` is refused, buffered ``preadv``.
+
+An item stored without block crcs (a tensor of a checkpoint that
+``Checkpointer.save`` wrote of plain tensors, ``plain.py``) is read after its
+whole file has been checked once against the manifest's crc32.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ..engine.buffers import ALIGN
+from ..engine.reader import _open_direct as open_direct  # the engine's own aligned reads
+from ..engine.reader import _read_through_bounce as read_through_bounce
 from ..errors import CheckpointCorrupt, storage_error
 from ..store.crc import crc32
 from ..store.fsutil import open_regular
@@ -39,6 +49,9 @@ from ..store.tensorfile import FileRecord
 from .index import Stored
 
 __all__ = ["RangeReader", "runs"]
+
+STRETCH = 8 << 20
+"""The most bytes one read asks for (consecutive whole blocks are read together)."""
 
 Run = tuple[int, int]
 """Bytes ``[begin, end)`` relative to the start of a chunk."""
@@ -90,13 +103,18 @@ class RangeReader:
         self.bytes_read = 0
         self.bytes_needed = 0
         self._fds: dict[str, int] = {}
+        self._direct: dict[str, int] = {}  # an O_DIRECT fd per file, -1 where refused
         self._lock = threading.Lock()
+        self._whole: dict[str, threading.Lock] = {}
+        self._checked: set[str] = set()
 
     def close(self) -> None:
         with self._lock:
-            fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
+            fds, self._fds = [*self._fds.values(), *self._direct.values()], {}
+            self._direct = {}
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
 
     def __enter__(self) -> RangeReader:
         return self
@@ -134,6 +152,8 @@ class RangeReader:
         """
         if not want:
             return 0
+        if not where.crcs:
+            self._check_file(where.file)
         with self._lock:
             self.bytes_needed += sum(e - b for b, e in want)
         if len(want) == 1 and _flat_ok(dest, want[0][1] - want[0][0]):
@@ -164,6 +184,26 @@ class RangeReader:
             self._fds[name] = fd
             return fd
 
+    def _direct_fd(self, name: str) -> int:
+        """An ``O_DIRECT`` fd of file ``name`` (opened after ``_fd`` checked its size), or -1."""
+        self._fd(name)
+        with self._lock:
+            fd = self._direct.get(name)
+        if fd is not None:
+            return fd
+        path = self.ckpt / name
+        try:
+            fd = open_direct(path)
+        except OSError as e:
+            raise storage_error(e, "cannot open checkpoint file", path) from e
+        with self._lock:
+            if name in self._direct:
+                if fd >= 0:
+                    os.close(fd)
+                return self._direct[name]
+            self._direct[name] = fd
+            return fd
+
     def _blocks(self, where: Stored, b: int, e: int) -> tuple[int, int]:
         """The block indices ``[first, last)`` that bytes ``[b, e)`` of the item touch."""
         return b // where.block, -(-e // where.block)
@@ -177,6 +217,14 @@ class RangeReader:
         path = self.ckpt / where.file
         got = 0
         try:
+            dfd = self._direct_fd(where.file) if len(view) >= ALIGN else -1
+            if dfd >= 0:
+                addr = address_of_view(view)
+                for o in range(0, len(view), STRETCH):
+                    n = min(STRETCH, len(view) - o)
+                    read_through_bounce(dfd, path, addr + o, where.at + off + o, n, STRETCH)
+                    got += n
+                return got
             while got < len(view):
                 n = os.preadv(fd, [view[got:]], where.at + off + got)
                 if n == 0:
@@ -189,7 +237,39 @@ class RangeReader:
                 self.bytes_read += got
         return got
 
+    def _check_file(self, name: str) -> None:
+        """Check a whole file against the manifest's crc32, once (for items without block crcs)."""
+        with self._lock:
+            if name in self._checked:
+                return
+            lock = self._whole.setdefault(name, threading.Lock())
+        with lock:
+            if name in self._checked:
+                return
+            fd, size, path = self._fd(name), self.files[name].size, self.ckpt / name
+            buf = bytearray(min(size, 8 << 20) or 1)
+            view, crc, off = memoryview(buf), 0, 0
+            try:
+                while off < size:
+                    n = os.preadv(fd, [view[: min(len(buf), size - off)]], off)
+                    if n == 0:
+                        raise CheckpointCorrupt(f"{path}: unexpected end of file at byte {off}", path)
+                    crc = crc32(view[:n], crc)
+                    off += n
+            except OSError as e:
+                raise storage_error(e, "cannot read checkpoint file", path) from e
+            finally:
+                with self._lock:
+                    self.bytes_read += off
+            if f"{crc:08x}" != self.files[name].checksum:
+                raise CheckpointCorrupt(f"{path}: checksum mismatch: expected crc32 {self.files[name].checksum}, "
+                                        f"got {crc:08x}", path)  # fmt: skip
+            with self._lock:
+                self._checked.add(name)
+
     def _check(self, where: Stored, i: int, view: memoryview) -> None:
+        if not where.crcs:  # checked whole, before the first read (_check_file)
+            return
         got = f"{crc32(view):08x}"
         if got != where.crcs[i]:
             path = self.ckpt / where.file
@@ -209,12 +289,22 @@ class RangeReader:
         first, last = self._blocks(where, b, e)
         bounce: bytearray | None = None
         read = 0
-        for i in range(first, last):
+        i = first
+        while i < last:
             lo, hi = self._block_span(where, i)
-            if b <= lo and hi <= e:  # the whole block is wanted: straight into the tensor
-                view = memory_view(addr + lo - b, hi - lo)
-                read += self._pread(where, view, lo)
-                self._check(where, i, view)
+            if b <= lo and hi <= e:  # whole blocks are wanted: straight into the tensor, a stretch at a time
+                j = i + 1
+                while j < last:
+                    end = self._block_span(where, j)[1]
+                    if end > e or end - lo > STRETCH:
+                        break
+                    j += 1
+                hi = self._block_span(where, j - 1)[1]
+                read += self._pread(where, memory_view(addr + lo - b, hi - lo), lo)
+                for k in range(i, j):
+                    klo, khi = self._block_span(where, k)
+                    self._check(where, k, memory_view(addr + klo - b, khi - klo))
+                i = j
                 continue
             if bounce is None:
                 bounce = bytearray(where.block)
@@ -223,6 +313,7 @@ class RangeReader:
             self._check(where, i, view)
             s, t = max(b, lo), min(e, hi)
             memory_view(addr + s - b, t - s)[:] = view[s - lo : t - lo]
+            i += 1
         return read
 
     def _gather_into(self, where: Stored, want: list[Run], dest: Any, sizes: Sequence[int] | None,
@@ -272,6 +363,13 @@ class RangeReader:
         src = flat.as_strided(tuple(dest.shape), tuple(strides), (first - base) // itemsize)
         dest.copy_(src)
         return read
+
+
+def address_of_view(view: memoryview) -> int:
+    """The address of a writable memoryview's first byte."""
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _flat_ok(dest: Any, nbytes: int) -> bool:

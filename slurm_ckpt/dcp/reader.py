@@ -26,7 +26,12 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import storage as _dcp_storage
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
@@ -36,6 +41,7 @@ from ..store import Skipped, find_latest, verify_checkpoint
 from ..store.layout import step_dir
 from ..store.manifest import Manifest
 from .index import Stored, is_dcp, metadata_of
+from .plain import Value, plain_metadata, state_values
 from .ranged import RangeReader, runs
 from .writer import parse_checkpoint_id
 
@@ -72,11 +78,17 @@ class StorageReader(_dcp_storage.StorageReader):
     each tensor, and verifies each block's crc32 before using it.
     ``bytes_read`` and ``bytes_needed`` count this rank's bytes read and the
     least it could have read, for the last load; ``reads`` the same by key.
+
+    It also reads what ``Checkpointer.save`` wrote (``plain.py``): tensors
+    under DCP's flattened keys (``model.0.weight``), plain values from
+    ``state.json`` as DCP byte items (``optim.param_groups``), values that were
+    pickled (``allow_pickle``) only with ``trusted=True``.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, search: Sequence[str | os.PathLike[str]] = (),
-                 config: Config | None = None) -> None:  # fmt: skip
+                 config: Config | None = None, trusted: bool = False) -> None:  # fmt: skip
         super().__init__()
+        self.trusted = trusted
         self.path = Path(path).absolute() if path is not None else None
         self.search = [Path(p).absolute() for p in search]
         self.config = config or load_config()
@@ -88,6 +100,9 @@ class StorageReader(_dcp_storage.StorageReader):
         self.reads: dict[str, tuple[int, int]] = {}
         self.load_id = uuid.uuid4().hex
         self._storage: dict[Any, Stored] = {}
+        self._metadata: Metadata | None = None
+        self._values: dict[str, Value] = {}
+        """Byte items served from memory: the plain values of ``state.json``."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -107,13 +122,15 @@ class StorageReader(_dcp_storage.StorageReader):
         if self.path is None:
             raise ConfigError("no checkpoint to read: pass StorageReader(run dir or step dir), or checkpoint_id to dcp.load")
         ckpt, man = resolve(self.path, self.search)
-        if not is_dcp(man):
-            raise ConfigError(
-                f"{ckpt} was written by Checkpointer.save, not through slurm_ckpt.dcp: load it "
-                "with Checkpointer.load_latest (reading it through DCP comes later)"
-            )
-        metadata = metadata_of(man, str(ckpt))
-        self.checkpoint, self.manifest = ckpt, man
+        if is_dcp(man):
+            metadata = metadata_of(man, str(ckpt))
+            values = state_values(ckpt, man, trusted=self.trusted)
+            for fqn in values.keys() - metadata.state_dict_metadata.keys():
+                metadata.state_dict_metadata[fqn] = BytesStorageMetadata()
+            self._values = {k: v for k, v in values.items() if k in metadata.state_dict_metadata}
+        else:
+            metadata, self._values = plain_metadata(ckpt, man, trusted=self.trusted)
+        self.checkpoint, self.manifest, self._metadata = ckpt, man, metadata
         self._storage = metadata.storage_data
         metadata.storage_meta = StorageMeta(checkpoint_id=str(ckpt), load_id=self.load_id)
         return metadata
@@ -147,6 +164,9 @@ class StorageReader(_dcp_storage.StorageReader):
             done: list[Callable[[], None]] = []
             self.reads = {}
             for req in plan.items:
+                if req.type == LoadItemType.BYTE_IO and req.storage_index.fqn in self._values:
+                    done.append(_value_job(req, self._values[req.storage_index.fqn], planner))
+                    continue
                 where = self._storage[req.storage_index]
                 if req.type == LoadItemType.BYTE_IO:
                     jobs.append(_bytes_job(rr, where, req, planner, done))
@@ -162,19 +182,25 @@ class StorageReader(_dcp_storage.StorageReader):
         return fut
 
     def _chunk_sizes(self, req: ReadItem) -> tuple[torch.dtype, list[int]]:
-        assert self.manifest is not None
-        entry = self.manifest.tensors[req.storage_index.fqn]
-        from ..store.codec import torch_dtype
-
-        for ch in entry["chunks"]:
-            if [int(o) for o in ch["offsets"]] == list(req.storage_index.offset or ()):
-                return torch_dtype(entry["dtype"]), [int(s) for s in ch["sizes"]]
+        assert self._metadata is not None
+        md = self._metadata.state_dict_metadata[req.storage_index.fqn]
+        assert isinstance(md, TensorStorageMetadata)
+        for ch in md.chunks:
+            if list(ch.offsets) == list(req.storage_index.offset or ()):
+                return md.properties.dtype, list(ch.sizes)
         raise CheckpointCorrupt(f"{self.checkpoint}: no chunk of {req.storage_index.fqn} at "
                                 f"{list(req.storage_index.offset or ())}", self.checkpoint)  # fmt: skip
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return "://" not in str(checkpoint_id) and Path(checkpoint_id).is_dir()
+
+
+def _value_job(req: ReadItem, value: Value, planner: LoadPlanner) -> Callable[[], None]:
+    def finish() -> None:
+        planner.load_bytes(req, io.BytesIO(value()))
+
+    return finish
 
 
 def _bytes_job(rr: RangeReader, where: Stored, req: ReadItem, planner: LoadPlanner,

@@ -25,7 +25,7 @@ import logging
 import os
 import re
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,17 +38,17 @@ from torch.futures import Future
 
 from .._env import job_id
 from ..config import Config, load_config
-from ..errors import ConfigError, SnapshotChanged, storage_error
+from ..errors import ConfigError, storage_error
 from ..store import RunDir
 from ..store.codec import TensorEntry, st_dtype
 from ..store.commit import commit
-from ..store.crc import crc32, crc32_combine, crc_threads
 from ..store.fsutil import remove_tree
 from ..store.layout import step_dir, tmp_dir_for
 from ..store.manifest import MANIFEST
 from ..store.tensorfile import FileRecord
 from ..store.writer import write_small_files
-from .index import LAYOUT, Stored, block_size, chunk_key, index_entries, planner_extra
+from .chunks import write_chunks
+from .index import LAYOUT, Stored, chunk_key, index_entries, planner_extra
 
 __all__ = ["StorageWriter", "data_file_name", "parse_checkpoint_id"]
 
@@ -275,9 +275,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
     def _write_file(self, path: Path, name: str, items: list[WriteItem],
                     planner: SavePlanner) -> list[_dcp_storage.WriteResult]:  # fmt: skip
         """Write this rank's items into one file; one ``WriteResult`` per item."""
-        from ..engine import default_threads
         from ..engine.layout import plan_file
-        from ..engine.writer import write_image
 
         if not items:
             return []
@@ -300,38 +298,13 @@ class StorageWriter(_dcp_storage.StorageWriter):
             entries.append(e)
             by_entry[id(e)] = item
         image = plan_file(entries)  # puts entries in file order
-        header = image.pieces[0]
-        at = header[1]
-        spans: list[tuple[TensorEntry, int]] = []
-        for e in entries:
-            spans.append((e, at))
-            at += e.nbytes
-        crcs = _block_crcs([e for e, _ in spans])
-        cfg = self.config.engine
-        record = write_image(path, image, threads=cfg.threads or default_threads(), chunk=cfg.chunk_size,
-                             direct=cfg.direct_io)  # fmt: skip
-        # The file's crc as the writer saw the bytes go out, against the block crcs taken
-        # from the same memory before: a tensor changed in between (another thread, an
-        # unfenced async trainer) would leave blocks that can never verify.
-        from ..engine.buffers import memory_view
-
-        whole = crc32(memory_view(*header))
-        for e, _ in spans:
-            for c, n in zip(crcs[id(e)], _block_lengths(e.nbytes, block_size(e.nbytes)), strict=True):
-                whole = crc32_combine(whole, int(c, 16), n)
-        if f"{whole:08x}" != record.checksum:
-            raise SnapshotChanged(
-                f"{path}: a tensor changed while it was being written (the file's crc32 {record.checksum} does "
-                f"not match its blocks' {whole:08x}); nothing was committed. Do not change the state while "
-                "dcp.save runs, or use dcp.async_save, which saves a copy"
-            )
+        record, stored = write_chunks(path, name, image, entries, self.config.engine)
         out = []
-        for e, off in spans:
+        for e, where in zip(entries, stored, strict=True):
             item = by_entry[id(e)]
-            stored = Stored(name, off, e.nbytes, block_size(e.nbytes), tuple(crcs[id(e)]))
             layout = layouts.get(item.index.fqn) if item.type != WriteItemType.BYTE_IO else None
             out.append(_dcp_storage.WriteResult(index=item.index, size_in_bytes=e.nbytes,
-                                                storage_data=_Written(stored, record, layout)))  # fmt: skip
+                                                storage_data=_Written(where, record, layout)))  # fmt: skip
         return out
 
 
@@ -349,32 +322,4 @@ def _layouts(planner: SavePlanner) -> dict[str, dict[str, Any]]:
         for fqn, obj in state.items():
             if isinstance(obj, DTensor):
                 out[fqn] = {"placements": [repr(p) for p in obj.placements], "mesh": list(obj.device_mesh.shape)}
-    return out
-
-
-def _block_lengths(n: int, block: int) -> Iterable[int]:
-    if n == 0:
-        return [0]
-    return [min(block, n - i) for i in range(0, n, block)]
-
-
-def _block_crcs(entries: list[TensorEntry]) -> dict[int, list[str]]:
-    """The crc32 of every block of each entry's memory, on a few threads (crc32 releases the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..engine.buffers import memory_view
-
-    def one(e: TensorEntry) -> list[str]:
-        addr, n = int(e.tensor.data_ptr()), e.nbytes
-        block = block_size(n)
-        if n == 0:
-            return [f"{0:08x}"]
-        return [f"{crc32(memory_view(addr + i, min(block, n - i))):08x}" for i in range(0, n, block)]
-
-    big = [e for e in entries if e.nbytes > 4 * block_size(0)]
-    out: dict[int, list[str]] = {id(e): one(e) for e in entries if e.nbytes <= 4 * block_size(0)}
-    if big:
-        with ThreadPoolExecutor(max_workers=min(crc_threads(), len(big)), thread_name_prefix="slurm-ckpt-crc") as ex:
-            for e, crcs in zip(big, ex.map(one, big), strict=True):
-                out[id(e)] = crcs
     return out

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from ..ranks import RankGroup
     from ..store import Skipped
     from ..store.commit import WriteFn
     from ..store.tiers import Tiers
@@ -40,6 +41,14 @@ class Placement(Protocol):
     @property
     def search_dirs(self) -> list[Path]:
         """Run dirs that discovery looks in, fastest tier first."""
+
+    @property
+    def group(self) -> RankGroup | None:
+        """The ranks that save and resume together; None for one process.
+
+        A save or load of DTensor states runs its own collectives (planning,
+        DCP's load) on it, between the placement's.
+        """
 
     def commit(self, step: int, write: WriteFn, **meta: Any) -> Path:
         """*Collective.* Commit checkpoint ``step`` with the store's protocol; return its path.

@@ -21,20 +21,23 @@ retrying alone would desynchronise the others.
 Resume: rank 0 picks the newest candidate, every rank loads its own shard and
 checks its checksums, and the ranks agree before anyone uses it; if any rank's
 shard fails, all move to the next older checkpoint together. A checkpoint
-without shards (written by one process) is loaded whole by every rank.
+without shards (written by one process) is loaded whole by every rank, and so
+is a chunked one (DTensor states, ``store.manifest.is_chunked``), whose ranks
+each read their parts of every shard, at any world size.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointCorrupt, ConfigError, ShardError
+from ..errors import CheckpointCorrupt, ConfigError, ShardError, UnsafeLoad
 from ..ranks import RankGroup
 from ..store import RunDir, Skipped, iter_valid, note_skip
 from ..store.commit import WriteFn
 from ..store.fsutil import fsync_dir
-from ..store.manifest import Manifest
+from ..store.manifest import Manifest, is_chunked
 from ..store.shards import prefixed, shard_manifest, shard_name
 from ..store.tensorfile import FileRecord
 from ..store.tiers import Tiers
@@ -143,8 +146,8 @@ class Collective:
             if where is None:
                 return None
             path = Path(where)
-            status, state, man = _load_shard(path, g.rank, load)
-            bad = g.load_verdict(status)
+            status, state, man, err = _load_shard(path, g.rank, load)
+            bad = verdict(g, status, err)
             if not bad:
                 assert man is not None
                 return state, man.step, path
@@ -179,16 +182,51 @@ def load_part(path: Path, rank: int, load: Load) -> tuple[Any, Manifest]:
     :class:`ConfigError` when the checkpoint has shards but none for ``rank``.
     """
     man = Manifest.read(path)
-    part = shard_manifest(man, rank)
+    part = None if is_chunked(man) else shard_manifest(man, rank)
     state = load(path, man) if part is None else load(path / shard_name(rank), part)
     return state, man
 
 
-def _load_shard(path: Path, rank: int, load: Load) -> tuple[tuple[str, str], Any, Manifest | None]:
+Status = tuple[str, str]
+"""("ok" | "corrupt" | "fatal", why): one rank's outcome of loading its part of a candidate."""
+
+
+def attempt(rank: int, fn: Callable[[], Any]) -> tuple[Status, Any, BaseException | None]:
+    """Run one rank's part of a collective load: (status, result, the error if fatal).
+
+    Every error comes back instead of being raised, so that the rank still
+    takes part in :func:`verdict`: a rank that left early would leave the
+    others waiting for it. A damaged or unreadable checkpoint is ``corrupt``
+    (an older one may load); anything else (bad ``into=``, pickles without
+    ``trusted=True``, a world size the checkpoint cannot serve) is ``fatal``.
+    """
     try:
-        state, man = load_part(path, rank, load)
-        return ("ok", ""), state, man
-    except ConfigError as e:
-        return ("fatal", f"rank {rank}: {e}"), None, None
-    except (CheckpointCorrupt, OSError) as e:
+        return ("ok", ""), fn(), None
+    except CheckpointCorrupt as e:
         return ("corrupt", f"rank {rank}: {e}"), None, None
+    except (ConfigError, UnsafeLoad) as e:
+        return ("fatal", f"rank {rank}: {e}"), None, e
+    except OSError as e:
+        return ("corrupt", f"rank {rank}: {e}"), None, None
+    except Exception as e:
+        return ("fatal", f"rank {rank}: {type(e).__name__}: {e}"), None, e
+
+
+def verdict(group: RankGroup, status: Status, err: BaseException | None) -> list[str]:
+    """Every rank's outcome for one candidate: the corrupt reasons (empty when all loaded).
+
+    When any rank's outcome is fatal every rank raises: that rank its own
+    error, the others a :class:`ConfigError` naming it.
+    """
+    try:
+        return group.load_verdict(status)
+    except ConfigError:
+        if err is not None:
+            raise err from None
+        raise
+
+
+def _load_shard(path: Path, rank: int, load: Load) -> tuple[Status, Any, Manifest | None, BaseException | None]:
+    status, got, err = attempt(rank, lambda: load_part(path, rank, load))
+    state, man = got if got is not None else (None, None)
+    return status, state, man, err

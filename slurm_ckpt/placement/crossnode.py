@@ -22,7 +22,10 @@ rank has scratch the save goes this way instead (layout: ``store/shards/``):
 Resume is collective: each rank lists the shards it can read itself (its own
 scratch, the staging dirs) and rank 0 the committed checkpoints. A set of
 shards counts only when every rank has its shard of that very save; otherwise
-the ranks fall back to the durable tier. All ranks load their part of the
+the ranks fall back to the durable tier. A chunked save (DTensor states,
+``store.manifest.is_chunked``) resumes from the durable tier only: each rank
+needs parts of the other ranks' shards (and the ones a rank holds alone,
+replicated tensors and the plain values, are written once, by one rank). All ranks load their part of the
 same candidate and agree before anyone uses it, moving to the next older one
 together if any rank's part fails its checksums.
 """
@@ -37,19 +40,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointCorrupt, ConfigError, ShardError
+from ..errors import ShardError
 from ..ranks import RankGroup
 from ..store import RunDir, Skipped, iter_valid, note_skip
 from ..store import shards as sh
 from ..store.commit import WriteFn
 from ..store.drainer import Drainer
 from ..store.layout import step_dir
-from ..store.manifest import MANIFEST, Manifest
+from ..store.manifest import MANIFEST, Manifest, is_chunked
 from ..store.retention import apply_retention, discard_checkpoint
 from ..store.tiers import Tiers, write_tier_file
 from ..store.verify import is_committed
 from .base import Load
-from .collective import load_part
+from .collective import Status, attempt, load_part, verdict
 
 __all__ = ["CrossNode"]
 
@@ -141,7 +144,7 @@ class CrossNode:
         extra = sh.shard_extra(
             self.rank, self.world, save_id, tier="scratch" if self.fast else "durable"
         )
-        meta = {**meta, "world_size": self.world, "extra": extra}
+        meta = {**meta, "world_size": self.world, "extra": {**meta.get("extra", {}), **extra}}
         err: BaseException | None = None
         path: Path | None = None
         try:
@@ -245,7 +248,7 @@ class CrossNode:
             sources.insert(0, sh.local_shards(self.fast.path))
         for source in sources:
             for s in source:
-                if s.world == self.world and s.rank == self.rank:
+                if s.world == self.world and s.rank == self.rank and not is_chunked(s.manifest):
                     found.setdefault((s.step, s.save_id), s)
         return found
 
@@ -272,8 +275,8 @@ class CrossNode:
         if isinstance(cands, str) or cands is None:
             raise ShardError(f"resume failed: {cands}")
         for kind, step, ref in cands:
-            status, state, path = self._load_part(kind, step, ref, own, load)
-            bad = g.load_verdict(status)
+            status, state, path, err = self._load_part(kind, step, ref, own, load)
+            bad = verdict(g, status, err)
             if not bad:
                 assert path is not None
                 return state, step, path
@@ -281,20 +284,17 @@ class CrossNode:
         return None
 
     def _load_part(self, kind: str, step: int, ref: str, own: dict[tuple[int, str], sh.LocalShard],
-                   load: Load) -> tuple[tuple[str, str], Any, Path | None]:  # fmt: skip
-        """Load this rank's part of one candidate: ("ok"|"corrupt"|"fatal", why), state, path."""
-        path: Path | None = None
-        try:
-            if kind == "shards":
-                shard = own[(step, ref)]
-                path = shard.path
-                return ("ok", ""), load(path, shard.manifest), path
-            path = Path(ref)
-            return ("ok", ""), load_part(path, self.rank, load)[0], path
-        except ConfigError as e:
-            return ("fatal", f"rank {self.rank}: {e}"), None, path
-        except (CheckpointCorrupt, OSError, KeyError) as e:
-            return ("corrupt", f"rank {self.rank}: {e}"), None, path
+                   load: Load) -> tuple[Status, Any, Path | None, BaseException | None]:  # fmt: skip
+        """Load this rank's part of one candidate: status, state, path, the error if fatal."""
+        if kind == "shards":
+            shard = own.get((step, ref))
+            if shard is None:
+                return ("corrupt", f"rank {self.rank}: no shard of step {step} save {ref}"), None, None, None
+            status, state, err = attempt(self.rank, lambda: load(shard.path, shard.manifest))
+            return status, state, shard.path, err
+        path = Path(ref)
+        status, got, err = attempt(self.rank, lambda: load_part(path, self.rank, load))
+        return status, got[0] if got is not None else None, path, err
 
 
 def _candidates(sets: list[list[tuple[int, str, float]]], durable: Path,

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..config import StorageConfig
 from ..errors import CheckpointCorrupt
+from ..ranks import RankGroup
 from ..store import RunDir, Skipped, iter_valid, note_skip
 from ..store.commit import WriteFn
 from ..store.retry import RetryPolicy, commit_resilient
@@ -24,6 +25,8 @@ log = logging.getLogger("slurm_ckpt")
 class Local:
     """One process's checkpoints: the run dir, with an optional scratch tier in front
     (``store/tiers.py``)."""
+
+    group: RankGroup | None = None
 
     def __init__(self, run_dir: RunDir, tiers: Tiers | None, storage: StorageConfig, keep: int) -> None:
         self.run_dir, self.tiers, self.keep = run_dir, tiers, keep

@@ -24,7 +24,7 @@ from ..errors import CheckpointCorrupt, storage_error
 from .fsutil import read_small
 from .tensorfile import CHECKSUM, FileRecord
 
-__all__ = ["FORMAT", "MANIFEST", "READS", "VERSION", "Manifest"]
+__all__ = ["CHUNKED", "FORMAT", "MANIFEST", "READS", "VERSION", "Manifest", "is_chunked"]
 
 FORMAT = "slurm-ckpt"
 VERSION = 2
@@ -36,6 +36,9 @@ MANIFEST_LIMIT = 1 << 30
 UNTRUSTED_MANIFEST_LIMIT = 64 * 1024**2
 """The tighter bound for a manifest in a tree its user can write, which the root
 epilog reads: checked before it is parsed (``verify.plain_files``)."""
+CHUNKED = "dcp"
+"""``extra.layout`` of a checkpoint stored as chunks of global tensors (DTensor
+states, the DCP backend): its tensor index is described in ``dcp/index.py``."""
 _END = b"\n}"
 _SELF_CRC = re.compile(rb',\n "manifest_crc32": "([0-9a-f]{8})"\n\}\n\Z')
 
@@ -118,6 +121,15 @@ class Manifest:
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointCorrupt(f"{path}: invalid manifest: {e}", path) from None
+
+
+def is_chunked(man: Manifest) -> bool:
+    """Whether ``man``'s tensors are stored as chunks of global tensors (see :data:`CHUNKED`).
+
+    A chunked checkpoint loads whole at any world size: every rank reads its
+    parts of every rank's files, never just a shard of its own.
+    """
+    return man.extra.get("layout") == CHUNKED
 
 
 def _tensor_lines(tensors: dict[str, Any]) -> bytes:

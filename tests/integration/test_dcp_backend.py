@@ -334,3 +334,116 @@ def test_ranks_that_resolved_different_checkpoints_are_refused(tmp_path: Path) -
     with pytest.raises(ConfigError, match="the ranks resolved different checkpoints"):
         StorageReader(tmp_path).prepare_global_plan(plans)
     assert StorageReader(tmp_path).prepare_global_plan(plans[:1] * 2) == plans[:1] * 2
+
+
+# ---------------------------------------------------------------- both ways with the Checkpointer
+
+
+class Opaque:
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Opaque) and other.n == self.n
+
+
+def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    sched.step()
+    return model, opt, sched
+
+
+def test_dcp_load_reads_a_checkpoint_of_the_checkpointer(tmp_path: Path) -> None:
+    from slurm_ckpt import Checkpointer
+
+    model, opt, sched = trained()
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(), "step": 7,
+             "rng": torch.get_rng_state(), "tied": {"a": model[0].weight}}  # fmt: skip
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        ck.save(state, step=7)
+    model2 = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=99)
+    model2(torch.randn(4, 8)).sum().backward()
+    opt2.step()  # the moments exist, as they must for DCP to load into them
+    target = {"model": model2.state_dict(), "optim": opt2.state_dict(), "sched": sched2.state_dict(), "step": 0,
+              "rng": torch.zeros_like(state["rng"]), "tied": {"a": torch.zeros(6, 8)}}  # fmt: skip
+    r = StorageReader(tmp_path / "run")
+    dcp.load(target, storage_reader=r)
+    model2.load_state_dict(target["model"])
+    opt2.load_state_dict(target["optim"])
+    sched2.load_state_dict(target["sched"])
+    assert_same(model2.state_dict(), model.state_dict())
+    assert_same(opt2.state_dict()["state"], opt.state_dict()["state"])
+    assert opt2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+    assert sched2.state_dict() == sched.state_dict() and target["step"] == 7
+    assert torch.equal(target["rng"], state["rng"]) and torch.equal(target["tied"]["a"], model[0].weight)
+    # Each data file is read whole once, to check it against the manifest's crc32.
+    assert r.bytes_read >= sum(rec.size for n, rec in verify_checkpoint(tmp_path / "run" / "step-000000007").files.items()
+                               if n.endswith(".safetensors"))  # fmt: skip
+
+
+def test_a_damaged_checkpointer_file_fails_dcp_load_naming_it(tmp_path: Path) -> None:
+    from slurm_ckpt import Checkpointer
+
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        path = ck.save({"w": torch.arange(1000.0), "v": torch.ones(3)}, step=1)
+    data = path / "tensors-00000.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF  # in the last tensor's bytes
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointException, match=r"tensors-00000\.safetensors: checksum mismatch"):
+        dcp.load({"w": torch.zeros(1000)}, storage_reader=StorageReader(tmp_path / "run"))
+
+
+def test_pickled_values_reach_dcp_load_only_when_trusted(tmp_path: Path) -> None:
+    from slurm_ckpt import Checkpointer
+    from slurm_ckpt.errors import UnsafeLoad
+
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False, allow_pickle=True) as ck:
+        ck.save({"w": torch.ones(3), "o": Opaque(5)}, step=1)
+    target: dict[str, Any] = {"w": torch.zeros(3)}
+    dcp.load(target, storage_reader=StorageReader(tmp_path / "run"))  # the tensors need no trust
+    assert torch.equal(target["w"], torch.ones(3))
+    with pytest.raises(CheckpointException) as err:
+        dcp.load({"w": torch.zeros(3), "o": None}, storage_reader=StorageReader(tmp_path / "run"))
+    assert isinstance(next(iter(err.value.failures.values())), UnsafeLoad) or "trusted=True" in str(err.value)
+    target = {"w": torch.zeros(3), "o": None}
+    dcp.load(target, storage_reader=StorageReader(tmp_path / "run", trusted=True))
+    assert target["o"] == Opaque(5)
+
+
+def test_the_checkpointer_loads_dcp_save_values_safely_unless_trusted(tmp_path: Path) -> None:
+    from slurm_ckpt import Checkpointer
+    from slurm_ckpt.errors import UnsafeLoad
+
+    dcp.save({"w": torch.ones(3), "meta": {"epoch": 3, "names": ["a", "b"]}},
+             storage_writer=StorageWriter(tmp_path / "plain", step=1))  # fmt: skip
+    with Checkpointer(tmp_path / "plain", distributed=False, scratch=False) as ck:
+        got = ck.load_latest()
+    assert got["meta"] == {"epoch": 3, "names": ["a", "b"]} and torch.equal(got["w"], torch.ones(3))
+    dcp.save({"w": torch.ones(3), "o": Opaque(2)}, storage_writer=StorageWriter(tmp_path / "odd", step=1))
+    with Checkpointer(tmp_path / "odd", distributed=False, scratch=False) as ck:
+        with pytest.raises(UnsafeLoad, match=r"'o'.*trusted=True"):
+            ck.load_latest()
+        assert ck.load_latest(trusted=True)["o"] == Opaque(2)
+
+
+def test_dcp_load_reads_views_of_one_storage_and_refuses_a_strided_one(tmp_path: Path) -> None:
+    from slurm_ckpt import Checkpointer
+
+    buf = torch.arange(24.0)
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        ck.save({"head": buf[:6].view(2, 3), "tail": buf[10:], "p": torch.nn.Parameter(torch.ones(4))}, step=1)
+        ck.save({"t": buf.view(4, 6).t()}, step=2)
+    target = {"head": torch.zeros(2, 3), "tail": torch.zeros(14), "p": torch.zeros(4)}
+    dcp.load(target, storage_reader=StorageReader(tmp_path / "run" / "step-000000001"))
+    assert torch.equal(target["head"], buf[:6].view(2, 3)) and torch.equal(target["tail"], buf[10:])
+    assert torch.equal(target["p"], torch.ones(4))
+    with pytest.raises(CheckpointException, match=r"non-contiguous view.*Checkpointer\.load_latest"):
+        dcp.load({"t": torch.zeros(6, 4)}, storage_reader=StorageReader(tmp_path / "run"))

@@ -19,6 +19,10 @@ from typing import Any
 
 import pytest
 from dist_ranks import launch, start  # the same directory
+from fsdp_state import full as _full
+from fsdp_state import mismatches as _mismatches
+from fsdp_state import model as _model
+from fsdp_state import train as _train
 
 pytestmark = pytest.mark.slow
 
@@ -154,58 +158,6 @@ def _data_bytes(run: Path) -> int:
 
 
 # ---------------------------------------------------------------- the ranks' side
-
-
-def _model(world: int) -> tuple[Any, Any]:
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(96, 96), torch.nn.ReLU(), torch.nn.Linear(96, 40))
-    model.register_buffer("scale", torch.tensor([2.0, 0.5]))
-    fully_shard(model[0], mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
-    fully_shard(model[2], mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    return model, opt
-
-
-def _train(model: Any, opt: Any, step: int, rank: int) -> None:
-    import torch
-
-    g = torch.Generator().manual_seed(1000 + 10 * step + rank)
-    x = torch.randn(4, 96, generator=g)
-    (model(x) * model.scale[0]).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def _full(state: Any, prefix: str = "") -> dict[str, Any]:
-    """Every tensor of a nested state, DTensors made whole (a collective)."""
-    from torch.distributed.tensor import DTensor
-
-    out: dict[str, Any] = {}
-    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list) else ()
-    for k, v in items:
-        key = f"{prefix}{k}"
-        if isinstance(v, DTensor):
-            out[key] = v.full_tensor()
-        elif hasattr(v, "dtype") and hasattr(v, "shape"):
-            out[key] = v.detach().clone()
-        else:
-            out.update(_full(v, key + "."))
-    return out
-
-
-def _mismatches(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
-    import torch
-
-    bad = sorted(set(got) ^ set(want))
-    bad += [k for k in sorted(set(got) & set(want)) if not torch.equal(got[k], want[k])]
-    return bad
 
 
 def _w_train_and_save(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:

@@ -104,3 +104,29 @@ def test_a_chunk_has_at_most_64_blocks_each_at_least_64_kib(n: int) -> None:
     assert b >= 64 << 10 and b & (b - 1) == 0
     assert -(-n // b) <= 64
     assert b == 64 << 10 or -(-n // (b // 2)) > 64  # and no larger than that needs
+
+
+def test_reads_past_the_page_cache_give_exact_bytes_and_still_check_every_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large reads go through O_DIRECT and the engine's bounce buffers (the chunk starts
+    off a page boundary, the destination too); a stretch of many blocks is read at once,
+    and each of its blocks is still checked."""
+    import slurm_ckpt.dcp.ranged as ranged
+
+    block = 64 << 10
+    chunk = (torch.arange(5 << 18, dtype=torch.int64) * 7919 % 65521).to(torch.float32)  # 5 MiB, 80 blocks
+    where = store(tmp_path / "f", chunk, block)
+    files = {"f": FileRecord(AT + where.length + 17, "")}
+    opened: list[int] = []
+    real = ranged.open_direct
+    monkeypatch.setattr(ranged, "open_direct", lambda path: opened.append(fd := real(path)) or fd)
+    with RangeReader(tmp_path, files) as rr:
+        dest = torch.full((chunk.numel() - 1000,), -1.0)[1:]  # a view: not page-aligned
+        rr.read_into(where, [(4004, where.length)], dest)
+        assert torch.equal(dest, chunk[1001:]) and opened and opened[0] >= 0
+    data = bytearray((tmp_path / "f").read_bytes())
+    data[AT + 61 * block + 5] ^= 0x01  # inside one stretch, far from its ends
+    (tmp_path / "f").write_bytes(bytes(data))
+    with RangeReader(tmp_path, files) as rr, pytest.raises(CheckpointCorrupt, match=f"in bytes {AT + 61 * block}-"):
+        rr.read_into(where, [(0, where.length)], torch.empty_like(chunk))

@@ -118,24 +118,27 @@ def test_a_damaged_block_falls_back_to_the_previous_checkpoint(run_dir: Path) ->
         sharded.load(newest)
 
 
-def test_plain_and_sharded_checkpoints_each_name_their_loader(run_dir: Path) -> None:
-    with Checkpointer(run_dir / "plain", distributed=False) as ck:
-        ck.save({"w": torch.ones(2)}, step=1)
-    with pytest.raises(ConfigError, match=r"written by Checkpointer\.save, not slurm_ckpt\.sharded\.save: load it with Checkpointer\.load_latest"):
-        sharded.load(run_dir / "plain")
+def test_each_api_loads_what_the_others_wrote(run_dir: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from slurm_ckpt.dcp import StorageWriter
+    from slurm_ckpt.dcp import StorageReader, StorageWriter
 
+    with Checkpointer(run_dir / "plain", distributed=False) as ck:
+        ck.save({"w": torch.ones(2), "step": 4}, step=1)
+    with pytest.raises(ConfigError, match=r"holds no DTensor state .* load it with Checkpointer\.load_latest"):
+        sharded.load(run_dir / "plain")
+    target = {"w": torch.zeros(2), "step": 0}
+    dcp.load(target, storage_reader=StorageReader(run_dir / "plain"))
+    assert torch.equal(target["w"], torch.ones(2)) and target["step"] == 4
     with pytest.warns(UserWarning, match="single process"):
-        dcp.save({"w": torch.ones(2)}, storage_writer=StorageWriter(run_dir / "raw", step=1))
-    with pytest.raises(ConfigError, match=r"written by dcp\.save, not slurm_ckpt\.sharded\.save: load it with dcp\.load"):
-        sharded.load(run_dir / "raw")
-    sharded.save({"w": torch.ones(2)}, run_dir / "sharded", 1)
-    with Checkpointer(run_dir / "sharded", distributed=False) as ck, pytest.raises(
-        ConfigError, match=r"sharded checkpoint written through slurm_ckpt.dcp: load it with slurm_ckpt.sharded.load"
-    ):
-        ck.load_latest()
+        dcp.save({"w": torch.full((2,), 2.0), "n": 5}, storage_writer=StorageWriter(run_dir / "raw", step=1))
+    got = sharded.load(run_dir / "raw")
+    assert got is not None and torch.equal(got.state["w"], torch.full((2,), 2.0)) and got.state["n"] == 5
+    sharded.save({"w": torch.full((2,), 3.0), "step": 6}, run_dir / "sharded", 1)
+    for name, want in (("raw", 2.0), ("sharded", 3.0)):
+        with Checkpointer(run_dir / name, distributed=False) as ck:
+            state = ck.load_latest()
+            assert torch.equal(state["w"], torch.full((2,), want)) and ck.loaded_step == 1
 
 
 def test_dtensors_save_whole_and_reload_into_dtensors(run_dir: Path, one_rank: Any) -> None:
@@ -151,12 +154,67 @@ def test_dtensors_save_whole_and_reload_into_dtensors(run_dir: Path, one_rank: A
     assert not isinstance(got.state["rep"], DTensor) and torch.equal(got.state["rep"], full[:2])
 
 
-def test_the_plain_checkpointer_names_the_fix_for_a_dtensor(run_dir: Path, one_rank: Any) -> None:
+def test_the_checkpointer_saves_dtensors_to_scratch_and_loads_them_after_the_drain(run_dir: Path, one_rank: Any) -> None:
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from slurm_ckpt.dcp.index import global_index
+    from slurm_ckpt.store.manifest import is_chunked
+
+    full = torch.randn(8, 6)
+    plain = torch.arange(5.0)
+    s = {"model": {"w": distribute_tensor(full, one_rank, [Shard(0)]), "b": plain}, "step": 1, "name": "run"}
+    scratch = run_dir.parent / "scratch"
+    scratch.mkdir()
+    with Checkpointer(run_dir, scratch=scratch) as ck:
+        assert ck.tiers is not None
+        path = ck.save(s, step=1)
+        assert path.parent == ck.tiers.fast.path  # scratch first
+        ck.wait()  # the background drain copies it to the run dir, verified
+    durable = verify_checkpoint(run_dir / "step-000000001", full=True)
+    assert is_chunked(durable) and durable.extra["copied_from"] == str(path)
+    assert global_index(durable)["model.w"]["placements"] == ["Shard(dim=0)"]
+    assert sorted(durable.files) == ["dcp-00000.safetensors", "state.json"]
+    import shutil
+
+    shutil.rmtree(scratch / "ckpt")  # the job ended: scratch is gone, the durable copy is what resumes
+    with Checkpointer(run_dir, scratch=False) as ck:
+        got = ck.load_latest()
+        assert ck.loaded_path == run_dir.absolute() / "step-000000001"
+        assert not isinstance(got["model"]["w"], DTensor) and torch.equal(got["model"]["w"], full)
+        assert torch.equal(got["model"]["b"], plain) and got["step"] == 1 and got["name"] == "run"
+        into = {"model": {"w": distribute_tensor(torch.zeros(8, 6), one_rank, [Shard(1)])}}
+        got = ck.load_latest(into=into)
+        assert got["model"]["w"] is into["model"]["w"] and torch.equal(into["model"]["w"].full_tensor(), full)
+
+
+def test_save_async_of_dtensors_holds_the_state_as_it_was_when_it_returned(run_dir: Path, one_rank: Any) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    s = {"model": {"layer.weight": distribute_tensor(torch.ones(4, 4), one_rank, [Shard(0)])}, "step": 1}
-    with Checkpointer(run_dir, distributed=False) as ck, pytest.raises(
-        UnsupportedValue, match=r"/model/layer.weight: a DTensor .* slurm_ckpt.sharded.save"
-    ):
-        ck.save(s, step=1)
+    w = distribute_tensor(torch.zeros(64, 1024), one_rank, [Shard(0)])
+    with Checkpointer(run_dir, scratch=False) as ck:
+        h = ck.save_async({"w": w, "b": torch.zeros(3)}, step=1)
+        w.to_local().add_(1.0)  # the trainer changes the shard in place at once
+        h.wait()
+        got = ck.load_latest()
+    assert h.mode == "copy" and torch.equal(got["w"], torch.zeros(64, 1024))
+    assert torch.equal(w.full_tensor(), torch.ones(64, 1024))
+
+
+def test_a_dtensor_changed_while_a_save_writes_it_is_not_committed(run_dir: Path, one_rank: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import slurm_ckpt.engine.writer as engine_writer
+    from slurm_ckpt.errors import SnapshotChanged
+
+    w = distribute_tensor(torch.zeros(300_000), one_rank, [Shard(0)])
+    real = engine_writer.write_image
+
+    def racing(path: Path, image: Any, **kw: Any) -> Any:
+        w.to_local()[123_456] = 1.0  # another thread writes into the tensor meanwhile
+        return real(path, image, **kw)
+
+    monkeypatch.setattr(engine_writer, "write_image", racing)
+    with Checkpointer(run_dir, scratch=False) as ck, pytest.raises(SnapshotChanged, match=r"Checkpointer\.save"):
+        ck.save({"w": w}, step=1)
     assert not list(run_dir.glob("step-*"))

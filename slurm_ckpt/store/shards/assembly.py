@@ -26,6 +26,9 @@ __all__ = ["AssemblyLock", "complete", "newest_durable_step", "prune_staging"]
 
 log = logging.getLogger("slurm_ckpt")
 
+_PER_SHARD = ("save_id", "shard", "staged_from")
+"""A shard manifest's ``extra`` fields that describe that shard alone."""
+
 
 class AssemblyLock:
     """``<durable>/.shards.lock``: one assembler at a time, across nodes.
@@ -119,8 +122,11 @@ def _merged(save_id: str, world: int, shards: list[LocalShard], when: float,
             "files": len(s.manifest.files), "bytes": sum(r.size for r in s.manifest.files.values()),
         }  # fmt: skip
     first = shards[0].manifest
-    extra = {"save_id": save_id, "shards": where, "assembled_at": time.time(),
-             "assembled_by": assembler(by)}  # fmt: skip
+    # What the writer said about the whole save (its layout: ``is_chunked``) carries
+    # over; what each shard says about itself went into ``where``.
+    extra = {k: v for k, v in first.extra.items() if k not in _PER_SHARD}
+    extra |= {"save_id": save_id, "shards": where, "assembled_at": time.time(),
+              "assembled_by": assembler(by)}  # fmt: skip
     meta = {"time": when, "host": first.host, "job_id": first.job_id, "world_size": world,
             "nbytes": sum(s.manifest.nbytes for s in shards), "extra": extra}  # fmt: skip
     return files, tensors, meta

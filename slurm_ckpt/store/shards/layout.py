@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -82,13 +83,26 @@ def assembler(by: str) -> str:
     return " ".join(filter(None, [socket.gethostname(), by, f"pid {os.getpid()}"]))
 
 
+def _refile(entry: dict[str, Any], rename: Callable[[str], str]) -> dict[str, Any]:
+    """A tensor index entry with every file name it holds passed through ``rename``.
+
+    An entry names its file once (a whole tensor), per chunk (a chunked
+    checkpoint, ``dcp/index.py``), or in its ``bytes`` record.
+    """
+    if "chunks" in entry:
+        return {**entry, "chunks": [{**c, "file": rename(c["file"])} for c in entry["chunks"]]}
+    if "bytes" in entry:
+        return {**entry, "bytes": {**entry["bytes"], "file": rename(entry["bytes"]["file"])}}
+    return {**entry, "file": rename(entry["file"])}
+
+
 def prefixed(
     rank: int, files: dict[str, FileRecord], tensors: dict[str, Any]
 ) -> tuple[dict[str, FileRecord], dict[str, Any]]:
     """A shard's file and tensor records as the whole checkpoint's manifest names them."""
     prefix = shard_name(rank) + "/"
     return ({prefix + n: r for n, r in files.items()},
-            {prefix + k: {**v, "file": prefix + v["file"]} for k, v in tensors.items()})  # fmt: skip
+            {prefix + k: _refile(v, lambda f: prefix + f) for k, v in tensors.items()})  # fmt: skip
 
 
 def shard_manifest(man: Manifest, rank: int) -> Manifest | None:
@@ -106,7 +120,7 @@ def shard_manifest(man: Manifest, rank: int) -> Manifest | None:
             f"it was written by {len(shards)} ranks; resume it with the same number of ranks"
         )
     files = {n[len(prefix) :]: r for n, r in man.files.items() if n.startswith(prefix)}
-    tensors = {k[len(prefix) :]: {**v, "file": v["file"][len(prefix) :]}
+    tensors = {k[len(prefix) :]: _refile(v, lambda f: f[len(prefix) :])
                for k, v in man.tensors.items() if k.startswith(prefix)}  # fmt: skip
     return Manifest(step=man.step, files=files, tensors=tensors, time=man.time, host=man.host,
                     job_id=man.job_id, world_size=man.world_size, nbytes=man.nbytes,
