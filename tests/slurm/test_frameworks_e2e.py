@@ -1,7 +1,7 @@
 """Lightning, HF Trainer and Accelerate under ``srun slurm-ckpt run`` on the real cluster.
 
 Each framework's example (``examples/*_train.py``, CPU, a tiny model) runs as
-a ``--requeue`` batch job under the wrapper. The test sends the checkpoint
+a ``--requeue --signal=USR1@120`` batch job under the wrapper. The test sends the checkpoint
 signal (``scancel --signal=USR1``) twice, at two points mid-epoch; each time
 the trainer must commit a checkpoint at the next step and exit 0, the wrapper
 must requeue the job, and the next run must resume from that checkpoint. The
@@ -96,7 +96,12 @@ def test_requeued_twice_resumes_bit_identical(slurm_cluster: Cluster, slurm_work
     script = (f"export SLURM_CKPT_DIR={slurm_workdir}/run\n{_OFFLINE}"
               f"srun {SLURM_CKPT} run -- {PYTHON} {EXAMPLES / example} --steps {STEPS} --every {EVERY} "
               f"--step-time {STEP_TIME} --out {slurm_workdir}/out\n")  # fmt: skip
-    job = slurm_cluster.sbatch(script, "--requeue", workdir=slurm_workdir, name=framework)
+    # The job script's lines as the docs give them, --signal included; the two
+    # interruptions come from scancel, whose USR1 reaches the srun tasks the same
+    # way, at a step the test chooses (slurmctld sends the time-limit signal only
+    # at its 30 s checks, too coarse to land twice mid-epoch).
+    job = slurm_cluster.sbatch(script, "--requeue", "--signal=USR1@120", "--time=30",
+                               workdir=slurm_workdir, name=framework)  # fmt: skip
     sent = []
     for restarts in (0, 1):
         _running_past(job, slurm_workdir, prefix, restarts, past=10)
