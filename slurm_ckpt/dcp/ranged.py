@@ -40,8 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.buffers import ALIGN
-from ..engine.reader import _open_direct as open_direct  # the engine's own aligned reads
-from ..engine.reader import _read_through_bounce as read_through_bounce
+from ..engine.reader import open_direct, read_through_bounce  # the engine's own aligned reads
 from ..errors import CheckpointCorrupt, storage_error
 from ..store.crc import crc32
 from ..store.fsutil import open_regular

@@ -7,7 +7,9 @@ hypercube of it to copy. This reader turns each into byte runs of one file
 against its crc32 from the manifest before use (``ranged.RangeReader``).
 
 Given a run dir, it loads the newest checkpoint that passes the quick check
-(manifest, sizes, headers); a damaged block found while reading raises
+(manifest, sizes, headers), in the run dir or in the fast tier in front of it
+(``<scratch>/ckpt``, where :class:`~slurm_ckpt.dcp.StorageWriter` and the
+Checkpointer commit first when the job has node-local scratch); a damaged block found while reading raises
 :class:`~slurm_ckpt.CheckpointCorrupt` naming the file, and
 :func:`slurm_ckpt.sharded.load` then moves every rank to the next older one.
 All ranks must resolve the same checkpoint; if they do not (one was committed
@@ -35,11 +37,13 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from .._env import scratch_dir
 from ..config import Config, load_config
 from ..errors import CheckpointCorrupt, ConfigError, NoCheckpoint
 from ..store import Skipped, find_latest, verify_checkpoint
 from ..store.layout import step_dir
 from ..store.manifest import Manifest
+from ..store.tiers import read_dirs
 from .index import Stored, is_dcp, metadata_of
 from .plain import Value, plain_metadata, state_values
 from .ranged import RangeReader, runs
@@ -74,6 +78,11 @@ class StorageReader(_dcp_storage.StorageReader):
     >>> dcp.load(state, storage_reader=StorageReader("/ckpt/run"))            # the newest valid one
     >>> dcp.load(state, storage_reader=StorageReader("/ckpt/run/step-000000100"))
 
+    A run dir is searched together with its fast tier, ``<scratch>/ckpt``
+    (``scratch``, else ``$SLURM_CKPT_SCRATCH``; False for none), and any run
+    dirs in ``search``: the newest valid checkpoint of all wins, the fast
+    tier's on equal steps.
+
     At any world size: each rank reads only the blocks holding its part of
     each tensor, and verifies each block's crc32 before using it.
     ``bytes_read`` and ``bytes_needed`` count this rank's bytes read and the
@@ -86,11 +95,13 @@ class StorageReader(_dcp_storage.StorageReader):
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, search: Sequence[str | os.PathLike[str]] = (),
-                 config: Config | None = None, trusted: bool = False) -> None:  # fmt: skip
+                 config: Config | None = None, trusted: bool = False,
+                 scratch: str | os.PathLike[str] | bool | None = None) -> None:  # fmt: skip
         super().__init__()
         self.trusted = trusted
         self.path = Path(path).absolute() if path is not None else None
         self.search = [Path(p).absolute() for p in search]
+        self.scratch: str | Path | bool | None = scratch if isinstance(scratch, bool | None) else Path(scratch)
         self.config = config or load_config()
         self.checkpoint: Path | None = None
         """The checkpoint dir the last ``read_metadata`` resolved."""
@@ -121,7 +132,7 @@ class StorageReader(_dcp_storage.StorageReader):
             raise ConfigError("slurm_ckpt.dcp checkpoints have no rank-local metadata")
         if self.path is None:
             raise ConfigError("no checkpoint to read: pass StorageReader(run dir or step dir), or checkpoint_id to dcp.load")
-        ckpt, man = resolve(self.path, self.search)
+        ckpt, man = resolve(self.path, self._search_dirs(self.path))
         if is_dcp(man):
             metadata = metadata_of(man, str(ckpt))
             values = state_values(ckpt, man, trusted=self.trusted)
@@ -134,6 +145,15 @@ class StorageReader(_dcp_storage.StorageReader):
         self._storage = metadata.storage_data
         metadata.storage_meta = StorageMeta(checkpoint_id=str(ckpt), load_id=self.load_id)
         return metadata
+
+    def _search_dirs(self, path: Path) -> list[Path]:
+        """``search`` and, for a run dir, the fast tier in front of it when it exists."""
+        if self.scratch is False or parse_checkpoint_id(path) is not None:
+            return self.search
+        # Readable is enough: read_dirs takes the fast tier when it exists.
+        base = scratch_dir() if self.scratch is None or self.scratch is True else Path(self.scratch)
+        tiers = read_dirs(path, base)[:-1]  # read_dirs ends with the run dir itself
+        return [*self.search, *(d for d in tiers if d not in self.search)]
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._storage = metadata.storage_data

@@ -13,6 +13,15 @@ DCP drives a save in four calls; each does its part of our commit:
    :func:`~slurm_ckpt.store.commit.commit` (``into=``): the manifest last,
    fsync, rename to ``step-N``, fsync the run dir; then retention.
 
+With node-local scratch (``scratch``, else ``$SLURM_CKPT_SCRATCH``, as the
+Checkpointer decides) shared by every rank, the staging dir and the commit
+are on the fast tier, ``<scratch>/ckpt``, and the coordinator hands the
+committed checkpoint to the Checkpointer's own one-process placement
+(:class:`~slurm_ckpt.placement.Local`, ``store/tiers.py``): retention on
+scratch, and the background drain that copies it to the run dir, verified,
+committed there with the same protocol. Ranks on several nodes (no scratch
+dir they all see) commit to the run dir, as without scratch.
+
 A rank that fails or dies before step 3 leaves only the staging dir, which
 discovery never reads and the next writer removes; ``step-N`` appears whole or
 not at all, and the previous checkpoint stays the newest.
@@ -24,6 +33,7 @@ import dataclasses
 import logging
 import os
 import re
+import socket
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,6 +49,7 @@ from torch.futures import Future
 from .._env import job_id
 from ..config import Config, load_config
 from ..errors import ConfigError, storage_error
+from ..placement import Local, scratch_tier
 from ..store import RunDir
 from ..store.codec import TensorEntry, st_dtype
 from ..store.commit import commit
@@ -46,6 +57,7 @@ from ..store.fsutil import remove_tree
 from ..store.layout import step_dir, tmp_dir_for
 from ..store.manifest import MANIFEST
 from ..store.tensorfile import FileRecord
+from ..store.verify import is_committed
 from ..store.writer import write_small_files
 from .chunks import write_chunks
 from .index import LAYOUT, Stored, chunk_key, index_entries, planner_extra
@@ -87,11 +99,21 @@ class _Written:
     """``placements`` and ``mesh`` when the item came from a DTensor."""
 
 
+@dataclass(frozen=True)
+class _Scratch:
+    """What each rank tells the coordinator in its local plan: its host and its fast tier."""
+
+    host: str
+    fast: str | None
+
+
 @dataclass
 class _Pending:
     run: RunDir
     staging: Path
     step: int
+    local: Local | None
+    """The tiers the checkpoint is committed in front of; None when it goes to the run dir."""
 
 
 class StorageWriter(_dcp_storage.StorageWriter):
@@ -108,6 +130,16 @@ class StorageWriter(_dcp_storage.StorageWriter):
     stored chunk checksummed (``index.py``); written with the engine's ``O_DIRECT``
     writer. ``keep`` checkpoints are kept (default: the config's
     ``storage.keep``). ``dcp.async_save`` works with it too.
+
+    With node-local scratch (``scratch``, else ``$SLURM_CKPT_SCRATCH``: an
+    existing writable dir; ``scratch=False`` for none) that every rank shares,
+    a save commits to ``<scratch>/ckpt`` and returns; a background thread
+    copies it to the run dir, as ``Checkpointer.save`` does (``store/tiers.py``).
+    :meth:`drain` waits for that copy and :meth:`close` (at the end of
+    training) drains and lets go of both dirs. A failed copy is raised at the
+    next save (or logged, with ``storage.on_async_error: warn``); the
+    checkpoint stays on scratch, for the next drain or the epilog's stage-out.
+    :class:`StorageReader` looks in both tiers.
     """
 
     def __init__(
@@ -120,6 +152,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
         lock_timeout: float | None = 0,
         files: Mapping[str, bytes] | None = None,
         extra: Mapping[str, Any] | None = None,
+        scratch: str | os.PathLike[str] | bool | None = None,
     ) -> None:
         """``files`` (small files the coordinator adds, by name) and ``extra`` (manifest
         fields) let :mod:`slurm_ckpt.sharded` store the state's plain values beside DCP's."""
@@ -135,17 +168,23 @@ class StorageWriter(_dcp_storage.StorageWriter):
         self.extra = dict(extra or {})
         if any(n.startswith("dcp-") or n == MANIFEST or "/" in n for n in self.files):
             raise ValueError(f"file names {sorted(self.files)} clash with the checkpoint's own")
+        self.scratch: str | Path | bool | None = scratch if isinstance(scratch, bool | None) else Path(scratch)
         self.rank = 0
         self.is_coordinator = True
         self.save_id = uuid.uuid4().hex
         self.last_committed: Path | None = None
         self._pending: _Pending | None = None
+        self._local: Local | None = None
+        """The coordinator's tiers (its drain thread), made at its first save to scratch."""
+        self._fast: tuple[Path, Path | None] | None = None
+        """(run dir, its fast tier or None), decided once per run dir."""
 
     def __getstate__(self) -> dict[str, Any]:
         # dcp.async_save with a process executor sends the writer to a subprocess:
         # a save in progress (its lock) stays with the process that holds it.
         state = self.__dict__.copy()
-        state["_pending"] = None
+        # So do the tiers and their drain thread: the subprocess makes its own.
+        state["_pending"] = state["_local"] = None
         return state
 
     # -------------------------------------------------------------- DCP's calls
@@ -175,13 +214,17 @@ class StorageWriter(_dcp_storage.StorageWriter):
         self.rank = int(kwargs.get("rank") or 0)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        fast = self._fast_tier()
+        return dataclasses.replace(plan, storage_data=_Scratch(socket.gethostname(), None if fast is None else str(fast)))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         assert self.run_dir is not None and self.step is not None
         self._abandon()  # a save of ours that failed before its commit
-        run = RunDir(self.run_dir, lock_timeout=self.lock_timeout)
+        local = self._tiers(_shared_fast(plans))
+        if local is not None:
+            self._surface_drain_error(local)
         # One writer per run dir; taking the lock also removes dead writers' temp dirs.
+        run = local.tiers.fast if local is not None and local.tiers is not None else RunDir(self.run_dir, lock_timeout=self.lock_timeout)
         run.lock()
         staging = tmp_dir_for(run.path, step_dir(run.path, self.step).name)
         try:
@@ -189,7 +232,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
         except OSError as e:
             run.unlock()
             raise storage_error(e, "cannot create the staging dir", staging) from e
-        self._pending = _Pending(run, staging, self.step)
+        self._pending = _Pending(run, staging, self.step, local)
         return [dataclasses.replace(p, storage_data=_Target(str(staging), data_file_name(i)))
                 for i, p in enumerate(plans)]  # fmt: skip
 
@@ -241,7 +284,10 @@ class StorageWriter(_dcp_storage.StorageWriter):
                           job_id=job_id(), extra=extra)  # fmt: skip
             self.last_committed = path
             try:
-                pending.run.retain(self.keep, protect=[path])
+                if pending.local is not None:  # retention on scratch, and the drain to the run dir
+                    pending.local.committed(pending.step, path)
+                else:
+                    pending.run.retain(self.keep, protect=[path])
             except OSError as e:  # the checkpoint is committed: a failed delete must not fail the save
                 log.warning("checkpoint %d committed, but retention failed: %s", pending.step, e)
         finally:
@@ -262,9 +308,64 @@ class StorageWriter(_dcp_storage.StorageWriter):
 
     # -------------------------------------------------------------- our parts
 
-    def close(self) -> None:
-        """Give up a save that failed before its commit (its staging dir and the lock)."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the newest checkpoint to reach the run dir.
+
+        True if it did (at once without scratch). Never raises for a failed copy:
+        the checkpoint stays on scratch, and the error is raised at the next save.
+        """
+        return self._local.drain(timeout) if self._local is not None else True
+
+    def is_durable(self, step: int) -> bool:
+        """True once checkpoint ``step`` is committed in the run dir (the durable tier)."""
+        if self._local is not None:
+            return self._local.is_durable(step)
+        return self.run_dir is not None and is_committed(self.run_dir, step)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Give up a save that failed before its commit (its staging dir and the lock);
+        with scratch, wait up to ``timeout`` for the drain, then let go of both tiers.
+
+        Returns what :meth:`drain` does. The writer may save again afterwards.
+        """
         self._abandon()
+        local, self._local = self._local, None
+        return local.close(timeout) if local is not None else True
+
+    def _fast_tier(self) -> Path | None:
+        """This rank's fast tier for the run dir (``placement.scratch_tier``), decided once per run dir."""
+        assert self.run_dir is not None
+        if self._fast is None or self._fast[0] != self.run_dir:
+            self._fast = (self.run_dir, scratch_tier(self.run_dir, self.scratch))
+        return self._fast[1]
+
+    def _tiers(self, fast: Path | None) -> Local | None:
+        """The coordinator's tiers in front of the run dir, with ``fast`` as the fast tier;
+        None to commit to the run dir itself."""
+        assert self.run_dir is not None
+        local = self._local
+        if local is not None and (local.run_dir.path != self.run_dir or local.tiers is None
+                                  or local.tiers.fast.path != fast):  # fmt: skip
+            self.close()  # another run dir (checkpoint_id=...) or another scratch
+            local = None
+        if local is None and fast is not None:
+            local = Local.setup(RunDir(self.run_dir, lock_timeout=self.lock_timeout), fast,
+                                storage=self.config.storage, keep=self.keep, lock_timeout=self.lock_timeout)  # fmt: skip
+            if local.tiers is None:  # the scratch dir could not be set up (logged)
+                local.close()
+                local = None
+        self._local = local
+        return local
+
+    def _surface_drain_error(self, local: Local) -> None:
+        """A failed copy to the run dir: raised or logged per ``storage.on_async_error``."""
+        err = local.take_error()
+        if err is None:
+            return
+        if self.config.storage.on_async_error == "warn":
+            log.warning("copying a checkpoint to the durable tier failed: %s; it stays on scratch", err)
+            return
+        raise err
 
     def _abandon(self) -> None:
         pending, self._pending = self._pending, None
@@ -306,6 +407,19 @@ class StorageWriter(_dcp_storage.StorageWriter):
             out.append(_dcp_storage.WriteResult(index=item.index, size_in_bytes=e.nbytes,
                                                 storage_data=_Written(where, record, layout)))  # fmt: skip
         return out
+
+
+def _shared_fast(plans: list[SavePlan]) -> Path | None:
+    """The fast tier to commit to: the one every rank named, on one host; else None."""
+    seen = {p.storage_data for p in plans}
+    if len(seen) == 1:
+        (one,) = seen
+        return Path(one.fast) if isinstance(one, _Scratch) and one.fast is not None else None
+    if any(isinstance(s, _Scratch) and s.fast for s in seen):
+        log.warning("the ranks of this dcp.save are on several nodes or name different scratch dirs: their "
+                    "files go into one checkpoint dir, which node-local scratch is not; saving to the run "
+                    "dir only (Checkpointer.save uses each node's scratch)")  # fmt: skip
+    return None
 
 
 def _layouts(planner: SavePlanner) -> dict[str, dict[str, Any]]:

@@ -51,7 +51,7 @@ from ..store.crc import crc32, crc32_combine, crc32_of_chunks, crc_threads
 from ..store.tensorfile import CHECKSUM, FileRecord, read_header
 from .buffers import ALIGN, HUGE, address_of, huge_buffer, memory_view, pool, populate
 
-__all__ = ["read_tensor_file"]
+__all__ = ["open_direct", "read_tensor_file", "read_through_bounce"]
 
 
 def read_tensor_file(
@@ -255,7 +255,7 @@ def _read(
             if we > wb:
                 items.append(_Item(off, n, base + off - lo, wb, we - wb))
                 fresh.append((base + off - lo, n))
-    dfd = _open_direct(path)
+    dfd = open_direct(path)
     direct = [dfd >= 0]
 
     def work(k: int) -> tuple[int, int]:
@@ -263,7 +263,7 @@ def _read(
         if direct[0]:
             try:
                 if exact:
-                    _read_through_bounce(dfd, path, addr, wb, wn, chunk)
+                    read_through_bounce(dfd, path, addr, wb, wn, chunk)
                 else:
                     _read_exactly(dfd, path, memory_view(addr, n), off, wb + wn - off)
             except OSError as e:
@@ -369,7 +369,7 @@ def _items_into(addr: int, rb: int, re: int, chunk: int) -> list[_Item]:
     return items
 
 
-def _read_through_bounce(dfd: int, path: Path, addr: int, wb: int, wn: int, chunk: int) -> None:
+def read_through_bounce(dfd: int, path: Path, addr: int, wb: int, wn: int, chunk: int) -> None:
     """Read the file bytes ``[wb, wb + wn)`` (at most ``chunk``) to ``addr`` with aligned reads."""
     a0, a1 = wb - wb % ALIGN, -(-(wb + wn) // ALIGN) * ALIGN
     buf = pool.acquire(chunk + 2 * ALIGN)
@@ -401,7 +401,8 @@ def _fault_in(spans: list[tuple[int, int]], stop: threading.Event) -> None:
             return
 
 
-def _open_direct(path: Path) -> int:
+def open_direct(path: Path) -> int:
+    """``path`` opened read-only with ``O_DIRECT``, or -1 where the filesystem refuses it."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return -1

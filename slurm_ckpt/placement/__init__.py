@@ -29,7 +29,7 @@ from .collective import Collective
 from .crossnode import CrossNode
 from .local import Local
 
-__all__ = ["Collective", "CrossNode", "Load", "Local", "Placement", "choose"]
+__all__ = ["Collective", "CrossNode", "Load", "Local", "Placement", "choose", "scratch_tier"]
 
 log = logging.getLogger("slurm_ckpt")
 
@@ -57,7 +57,7 @@ def choose(
     :class:`Collective`. ``on_lag`` hears the stage-out lag in seconds.
     """
     group = open_group(distributed)
-    fast = _fast_dir(run_dir.path, scratch)
+    fast = scratch_tier(run_dir.path, scratch)
     if group is None:
         return Local.setup(run_dir, fast, storage=storage, keep=keep, lock_timeout=lock_timeout,
                            on_lag=on_lag)  # fmt: skip
@@ -67,8 +67,9 @@ def choose(
     return crossnode if crossnode is not None else Collective(run_dir, group, keep)
 
 
-def _fast_dir(run_dir: Path, scratch: str | Path | bool | None) -> Path | None:
-    """``<scratch>/ckpt`` when a usable scratch dir is named and it is not the run dir itself."""
+def scratch_tier(run_dir: Path, scratch: str | Path | bool | None) -> Path | None:
+    """The fast tier in front of ``run_dir``: ``<scratch>/ckpt`` when a usable scratch dir is
+    named (``scratch``, else ``$SLURM_CKPT_SCRATCH``; False for none) and it is not the run dir itself."""
     if scratch is False:
         return None
     named = scratch_dir() if scratch is None or scratch is True else Path(scratch)

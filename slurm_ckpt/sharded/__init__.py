@@ -65,8 +65,11 @@ def _writer(state: Any, run_dir: str | os.PathLike[str], step: int, *, allow_pic
 
     ranks = Ranks(process_group)
     prep = prepare(state, ranks, allow_pickle=allow_pickle)
+    # One tier: these calls return the run dir's step-N, and hold no drain between calls
+    # (Checkpointer.save puts DTensor states on scratch first, with its drain).
     writer = StorageWriter(run_dir, step=step, keep=keep, config=config, lock_timeout=lock_timeout,
-                           files=prep.files if ranks.rank == 0 else None, extra={"sharded": 1})  # fmt: skip
+                           files=prep.files if ranks.rank == 0 else None, extra={"sharded": 1},
+                           scratch=False)  # fmt: skip
     return prep.flat, writer
 
 

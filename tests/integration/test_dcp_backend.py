@@ -9,6 +9,7 @@ all-or-nothing.
 from __future__ import annotations
 
 import errno
+import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -447,3 +448,127 @@ def test_dcp_load_reads_views_of_one_storage_and_refuses_a_strided_one(tmp_path:
     assert torch.equal(target["p"], torch.ones(4))
     with pytest.raises(CheckpointException, match=r"non-contiguous view.*Checkpointer\.load_latest"):
         dcp.load({"t": torch.zeros(6, 4)}, storage_reader=StorageReader(tmp_path / "run"))
+
+
+# ---------------------------------------------------------------- scratch-first tiers
+
+
+@pytest.fixture
+def tiers_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """(fast tier, run dir); ``SLURM_CKPT_SCRATCH`` names a scratch dir, as the prolog's."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv("SLURM_CKPT_SCRATCH", str(scratch))
+    return scratch / "ckpt", tmp_path / "run"
+
+
+def test_with_scratch_dcp_save_commits_there_and_the_drain_makes_it_durable(tiers_env: tuple[Path, Path]) -> None:
+    fast, run = tiers_env
+    w = StorageWriter(run, keep=2)
+    states = {}
+    for step in (1, 2, 3):
+        states[step] = nested(step)
+        dcp.save(states[step], checkpoint_id=str(run / f"step-{step}"), storage_writer=w)
+        assert w.last_committed == fast / f"step-{step:09d}"
+    assert json.loads((fast / "TIER.json").read_text())["durable"] == str(run)
+    assert w.drain(timeout=120) and w.is_durable(3)
+    # Every step went through the drain (verified copy, committed with the protocol);
+    # retention ran per tier.
+    man = verify_checkpoint(run / "step-000000003", full=True)
+    assert is_dcp(man) and man.extra["copied_from"] == str(fast / "step-000000003")
+    assert w.close(timeout=120)
+    assert [c.name for c in sorted(fast.glob("step-*"))] == ["step-000000002", "step-000000003"]
+    assert [c.name for c in sorted(run.glob("step-*"))] == ["step-000000002", "step-000000003"]
+    # The durable copy alone loads bit-exact, through DCP and through the Checkpointer.
+    target = zeros_like(nested())
+    r = StorageReader(run, scratch=False)
+    dcp.load(target, storage_reader=r)
+    assert r.checkpoint == run / "step-000000003"
+    assert_same(target, states[3])
+    from slurm_ckpt import Checkpointer
+
+    with Checkpointer(run, scratch=False) as ck:
+        got = ck.load_latest()
+        assert ck.loaded_path == run / "step-000000003"
+    assert torch.equal(got["model"]["big"], states[3]["model"]["big"])
+
+
+def test_the_reader_takes_the_newest_checkpoint_of_either_tier(tiers_env: tuple[Path, Path]) -> None:
+    import dataclasses
+
+    from slurm_ckpt.config import load_config
+
+    fast, run = tiers_env
+    cfg = load_config()
+    w = StorageWriter(run, step=1)
+    dcp.save(nested(1), storage_writer=w)
+    assert w.close(timeout=120) and (run / "step-000000001" / "MANIFEST.json").is_file()
+    # Step 2 stays on scratch (storage.drain: false: the epilog stages it out).
+    nodrain = dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, drain=False))
+    w = StorageWriter(run, step=2, config=nodrain)
+    dcp.save(nested(2), storage_writer=w)
+    assert w.last_committed == fast / "step-000000002" and not w.is_durable(2)
+    target = zeros_like(nested())
+    r = StorageReader(run)
+    dcp.load(target, storage_reader=r)
+    assert r.checkpoint == fast / "step-000000002"
+    assert_same(target, nested(2))
+    r = StorageReader(run, scratch=False)
+    dcp.load(zeros_like(nested()), storage_reader=r)
+    assert r.checkpoint == run / "step-000000001"
+    w.close()
+    # The Checkpointer of the same job resumes from the same one.
+    from slurm_ckpt import Checkpointer
+
+    with Checkpointer(run, config=nodrain) as ck:
+        assert ck.load_latest()["step"] == 102 and ck.loaded_path == fast / "step-000000002"
+
+
+def test_async_save_with_scratch_holds_the_state_as_called_and_drains(tiers_env: tuple[Path, Path]) -> None:
+    fast, run = tiers_env
+    state = nested()
+    before = {"big": state["model"]["big"].clone(), "ints": state["model"]["ints"].clone()}
+    w = StorageWriter(run, step=5)
+    fut = dcp.async_save(state, storage_writer=w)
+    state["model"]["big"].add_(1.0)
+    state["model"]["ints"].zero_()
+    (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result(timeout=120)
+    assert w.last_committed == fast / "step-000000005"
+    assert w.close(timeout=120) and w.is_durable(5)
+    target = zeros_like(nested())
+    dcp.load(target, storage_reader=StorageReader(run, scratch=False))
+    assert torch.equal(target["model"]["big"], before["big"])
+    assert torch.equal(target["model"]["ints"], before["ints"])
+
+
+def test_a_failed_drain_is_raised_at_the_next_save_and_the_checkpoint_stays_on_scratch(
+    tiers_env: tuple[Path, Path],
+) -> None:
+    fast, _ = tiers_env
+    blocker = fast.parent.parent / "not-a-dir"
+    blocker.write_text("a file where the durable tier's parent should be")
+    run = blocker / "run"  # every copy to it fails (ENOTDIR)
+    w = StorageWriter(run, step=1)
+    dcp.save({"w": torch.arange(8.0)}, storage_writer=w)
+    assert not w.drain(timeout=120) and not w.is_durable(1)
+    with pytest.raises(CheckpointException, match="cannot create run dir"):
+        dcp.save({"w": torch.ones(8)}, checkpoint_id=str(run / "step-2"), storage_writer=w)
+    verify_checkpoint(fast / "step-000000001", full=True)
+    w.close(timeout=0)
+
+
+def test_ranks_without_one_shared_scratch_dir_commit_to_the_run_dir(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from slurm_ckpt.dcp.writer import _Scratch
+
+    w = StorageWriter(tmp_path / "run", step=1)
+    w.set_up_storage_writer(True, rank=0)
+    two = [SavePlan([], storage_data=_Scratch("node-a", str(tmp_path / "a"))),
+           SavePlan([], storage_data=_Scratch("node-b", str(tmp_path / "b")))]  # fmt: skip
+    try:
+        plans = w.prepare_global_plan(two)
+        assert Path(plans[0].storage_data.staging).parent == tmp_path / "run"
+        assert "several nodes" in caplog.text
+    finally:
+        w.close()

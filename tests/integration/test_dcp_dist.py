@@ -137,6 +137,28 @@ def test_kill_9_of_a_writer_mid_save_leaves_the_previous_checkpoint_newest(tmp_p
     assert got is not None and got.step == 3 and torch.equal(got.state["w"], torch.ones(4))
 
 
+def test_two_ranks_on_one_node_commit_on_its_scratch_and_the_drain_makes_it_durable(tmp_path: Path) -> None:
+    """dcp.save with scratch shared by both ranks (one node): the commit goes to
+    ``<scratch>/ckpt`` and the drain copies it to the run dir, which alone then loads
+    bit-exact. Ranks naming different scratch dirs (as on two nodes) commit to the run dir."""
+    from slurm_ckpt.store import verify_checkpoint
+
+    run, shared = tmp_path / "run", tmp_path / "scratch"
+    own = [tmp_path / "scratch-0", tmp_path / "scratch-1"]
+    for d in (shared, *own):
+        d.mkdir()
+    args = {"run": str(run), "shared": str(shared), "own": [str(d) for d in own]}
+    ranks = launch(2, f"{HERE}:_w_tiers", args, tmp_path / "out")
+    assert ranks[0]["committed"] == [str(shared / "ckpt" / "step-000000001"), str(run / "step-000000002")]
+    for r in ranks:
+        assert r["drained"] is True
+        assert r["loaded_from"] == str(run / "step-000000001")
+        assert r["equal"] is True
+    man = verify_checkpoint(run / "step-000000001", full=True)
+    assert man.extra["copied_from"] == str(shared / "ckpt" / "step-000000001")
+    assert sorted(f for f in man.files if f.startswith("dcp-")) == ["dcp-00000.safetensors", "dcp-00001.safetensors"]
+
+
 def _tensor_bytes(run: Path, *, but: str) -> int:
     import math
 
@@ -282,3 +304,32 @@ def _w_crash(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     big = distribute_tensor(torch.arange(4096.0), init_device_mesh("cpu", (world,)), [Shard(0)])
     dcp.save({"w": big}, storage_writer=StallAfterWrite(args["run"], step=2))
     return {"unexpected": "step 2 finished"}
+
+
+def _w_tiers(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from slurm_ckpt.dcp import StorageReader, StorageWriter
+
+    model, opt = _model(world)
+    _train(model, opt, 1, rank)
+    msd, osd = get_state_dict(model, opt)
+    ref = _full({"model": msd, "optim": osd["state"]})
+    committed = []
+    w = StorageWriter(args["run"], step=1, scratch=args["shared"])
+    dcp.save({"model": msd, "optim": osd}, storage_writer=w)
+    committed.append(str(w.last_committed))
+    drained = w.close(timeout=300)  # the coordinator's drain; at once on the other rank
+    w = StorageWriter(args["run"], step=2, scratch=args["own"][rank])
+    dcp.save({"model": msd, "optim": osd}, storage_writer=w)
+    committed.append(str(w.last_committed))
+    w.close()
+    dist.barrier()
+    fresh, fresh_opt = _model(world)
+    fmsd, fosd = get_state_dict(fresh, fresh_opt)
+    r = StorageReader(Path(args["run"]) / "step-1", scratch=False)
+    dcp.load({"model": fmsd, "optim": fosd}, storage_reader=r)
+    equal = not _mismatches(_full({"model": fmsd, "optim": fosd["state"]}), ref)
+    return {"committed": committed, "drained": drained, "loaded_from": str(r.checkpoint), "equal": equal}
