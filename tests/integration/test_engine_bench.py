@@ -88,3 +88,5 @@ def test_report_sets_each_stall_against_the_faster_memcpy_floor() -> None:
     assert one[4:7] == ["0.0600", "1.09", "0.150"], one
     each = next(line.split() for line in lines if "memcpy of each tensor" in line)  # not a floor
     assert each[6:9] == ["0.0500", "0.91", "0.125"], each
+    target = next(line for line in lines if "default stall:" in line)
+    assert "1.32x one memcpy of each" in target and "1.20x one memcpy of the state's bytes" in target, target
