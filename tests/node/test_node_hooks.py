@@ -139,10 +139,14 @@ def test_stage_out_past_its_deadline_is_killed_and_scratch_kept(pub_tmp: Path, s
     assert "timeout" in str(kept["kept"]) and kept["restarts"] == 0 and kept["uid"] == user.uid
 
 
-def test_a_stopped_stage_out_is_not_waited_for(pub_tmp: Path, user: User) -> None:
+def test_a_stopped_stage_out_is_not_waited_for(pub_tmp: Path, scratch_base: Path, user: User) -> None:
     """The child runs as the user, so the user can SIGSTOP it; the epilog sees it stopped
-    and kills it instead of waiting out the stage-out's whole deadline."""
-    base, root = pub_tmp / "scratch", pub_tmp / "shared"
+    and kills it instead of waiting out the stage-out's whole deadline.
+
+    Scratch is a filesystem of its own, so the durable dir is an allowed destination
+    and the child really reaches its lock (on one filesystem it would be refused at
+    once, and only a SIGSTOP faster than the child would be seen)."""
+    base, root = scratch_base, pub_tmp / "shared"
     durable = root / user.name / "job_105"
     owned_tree(durable, user)
     user.run("touch", str(durable / ".lock"))
