@@ -1,0 +1,93 @@
+"""Where the copy snapshot's stall goes: the state's tensors copied into a staging buffer.
+
+    THP_MEM_ALLOC_ENABLE=1 python bench/staging_copy.py [--size 1G] [--reps 7]
+    GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000 THP_MEM_ALLOC_ENABLE=1 \\
+        python bench/staging_copy.py
+
+Each line is a median over interleaved repetitions, as a ratio to the first
+(the floor: the same number of bytes in one piece, split over the copy's
+threads). The state is the bench's synthetic one (``slurm-ckpt bench``).
+
+* ``each tensor, packed``: one ``memmove`` per tensor to consecutive offsets,
+  as the copy snapshot lays out a file image;
+* ``each tensor, page phase``: the same, but each tensor placed at an address
+  with the same offset in its page as its source (padding between), which no
+  file image without holes can do in general;
+* ``capture``: the copy snapshot itself (``Staging.capture``), with the
+  encoding of the state.
+
+glibc's ``memmove`` switches to non-temporal stores only above
+``x86_non_temporal_threshold`` (three quarters of the shared cache it
+detects), so the floor's large pieces get them and most tensors do not; the
+second command lowers the threshold for this process alone, to show what
+the stores and the page phase each cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+from slurm_ckpt.bench.state import flatten, synthetic_state
+from slurm_ckpt.config import parse_size
+from slurm_ckpt.engine.buffers import address_of, aligned_buffer
+from slurm_ckpt.engine.staging import Staging, copy_bytes, copy_threads
+from slurm_ckpt.store.codec import encode_state
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="1G")
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+    state = synthetic_state(parse_size(args.size))
+    tensors = list(flatten(state).values())
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    total, threads = sum(sizes), copy_threads()
+    slack = 4096 * len(tensors)
+    src, dst = aligned_buffer(total), aligned_buffer(total + slack)
+    staging = Staging()
+
+    def floor() -> None:
+        copy_bytes([(address_of(dst), address_of(src), total)], threads=threads)
+
+    def each(phase: bool) -> Callable[[], None]:
+        def run() -> None:
+            pieces, off = [], address_of(dst)
+            for t, n in zip(tensors, sizes, strict=True):
+                s = int(t.data_ptr())
+                if phase:
+                    off += (s - off) % 4096
+                pieces.append((off, s, n))
+                off += n
+            copy_bytes(pieces, threads=threads)
+
+        return run
+
+    def capture() -> None:
+        staging.capture(encode_state(state).tensors)
+
+    cases = {
+        f"floor: one piece, {threads} threads": floor,
+        "each tensor, packed": each(False),
+        "each tensor, page phase": each(True),
+        "capture (the copy snapshot)": capture,
+    }
+    for fn in cases.values():  # fault in and warm up
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.reps):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    base = statistics.median(next(iter(times.values())))
+    print(f"{total / 2**30:.2f} GiB in {len(tensors)} tensors, {args.reps} repetitions interleaved, medians")
+    for name, ts in times.items():
+        print(f"  {name:<32} {statistics.median(ts) * 1e3:8.1f} ms  x{statistics.median(ts) / base:.2f}")
+
+
+if __name__ == "__main__":
+    main()
