@@ -67,11 +67,11 @@ def screened(run_dir: Path, errors: list[str], mount: int | None = None) -> Iter
                 skip(path, "a file it names is not a regular file")
                 continue
             man = verify_checkpoint(path, full=False)
-        except OSError as e:
-            errors.append(f"{path}: {e}")
+        except (OSError, MemoryError) as e:  # no sign the checkpoint is bad: keep scratch
+            errors.append(f"{path}: {type(e).__name__}: {e}")
             continue
         except Exception as e:  # CheckpointCorrupt, or a malformed file the checks did not foresee
-            skip(path, e)
+            skip(path, f"{type(e).__name__}: {e}")
             continue
         yield Candidate(step, path, man)
 

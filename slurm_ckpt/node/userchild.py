@@ -32,7 +32,7 @@ __all__ = ["CHILD_MEMORY", "OUTPUT_LIMIT", "RESULT_LIMIT", "Outcome", "run_as_us
 log = logging.getLogger("slurm_ckpt.node")
 
 CHILD_MEMORY = 4 * 1024**3
-"""Address-space limit of the child (bytes)."""
+"""Address space (bytes) the child may map on top of what it inherited from the fork."""
 OUTPUT_LIMIT = 16 * 1024
 """Bytes of the child's output (its log records) that reach the hook log."""
 RESULT_LIMIT = 64 * 1024
@@ -76,15 +76,37 @@ def _keep_only(out_fd: int, result_fd: int) -> None:
                 os.close(int(name))
 
 
+def _inherited_address_space() -> int:
+    """Bytes of address space this process maps now (VmSize)."""
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[0]) * resource.getpagesize()
+
+
+def _bound_memory() -> None:
+    """Let the child map at most :data:`CHILD_MEMORY` more than the fork gave it.
+
+    The limit counts from what the child inherited: the parent's mappings
+    (libraries, thread stacks and malloc arenas) are no measure of what user
+    data can make the child allocate, and a fixed limit below them would
+    leave the child unable to allocate anything at all. A lower hard limit
+    the hook was started with stays.
+    """
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = _inherited_address_space() + CHILD_MEMORY
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
 def _become(job: Job, groups: list[int]) -> None:
     """Take the job user's identity for good (real, effective and saved ids)."""
+    # This child runs outside the job's cgroup: bound what user data can make it allocate.
+    _bound_memory()
     os.setgroups(groups)
     os.setresgid(job.gid, job.gid, job.gid)
     os.setresuid(job.uid, job.uid, job.uid)
     os.umask(0o077)
     os.chdir("/")
-    # This child runs outside the job's cgroup: bound what user data can make it allocate.
-    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY, CHILD_MEMORY))
 
 
 def _child(job: Job, groups: list[int], work: Callable[[], bytes], log_filter: logging.Filter | None,

@@ -1,0 +1,97 @@
+"""The forked user child's memory bound, against the process that forks it.
+
+The epilog forks the stage-out child from whatever process runs the hook; in
+the tests (and in any host that embeds the hooks) that process already maps
+gigabytes of address space: libraries, thread stacks, malloc arenas. The
+child's bound must count from there, and a child that runs out of memory must
+keep the job's scratch, never take the checkpoint for a corrupt one.
+
+Real unprivileged user, real fork and setrlimit, real checkpoints.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from slurm_ckpt.node import run_epilog, run_prolog, userchild
+from slurm_ckpt.node.job import Job
+from slurm_ckpt.store import verify_checkpoint
+from tests.node.helpers import User, make_cfg, owned_tree, write_ckpt
+
+GiB = 2**30
+# Address space without a claim on memory (Python 3.11's mmap does not name the Linux flag).
+NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+ANON = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | NORESERVE
+
+
+@pytest.fixture
+def big_parent() -> Iterator[int]:
+    """This process maps more address space than the child's whole bound (never touched, so no memory)."""
+    size = userchild.CHILD_MEMORY + 2 * GiB
+    reserved = mmap.mmap(-1, size, flags=ANON, prot=mmap.PROT_READ)
+    try:
+        yield size
+    finally:
+        reserved.close()
+
+
+def job_of(user: User) -> Job:
+    return Job(job_id="900", uid=user.uid, gid=user.gid, user=user.name, home="/", partition="p", comment="",
+               restart_count=0)  # fmt: skip
+
+
+def try_to_map(nbytes: int) -> bytes:
+    try:
+        m = mmap.mmap(-1, nbytes, flags=ANON)
+    except OSError:
+        return b"refused"
+    m.close()
+    return b"mapped"
+
+
+def test_the_child_can_allocate_under_a_parent_larger_than_its_bound(user: User, big_parent: int) -> None:
+    out = userchild.run_as_user(job_of(user), lambda: try_to_map(64 * 2**20), 30.0, name="probe")
+    assert out.result == b"mapped", out
+
+
+def test_the_child_cannot_map_more_than_its_bound(user: User, big_parent: int) -> None:
+    """What user data can make the child allocate stays bounded however much the parent maps."""
+    over = userchild.run_as_user(job_of(user), lambda: try_to_map(userchild.CHILD_MEMORY + GiB), 30.0, name="probe")
+    assert over.result == b"refused", over
+    within = userchild.run_as_user(job_of(user), lambda: try_to_map(userchild.CHILD_MEMORY // 2), 30.0, name="probe")
+    assert within.result == b"mapped", within
+
+
+def test_the_stage_out_works_under_a_parent_larger_than_its_bound(pub_tmp: Path, scratch_base: Path, user: User,
+                                                                  big_parent: int) -> None:  # fmt: skip
+    root = pub_tmp / "shared"
+    owned_tree(root / user.name, user)
+    cfg = make_cfg(scratch_base, root)
+    env = user.env("901")
+    run_prolog(env, cfg)
+    write_ckpt(scratch_base / "job_901" / "ckpt", 6, owner=user)
+    res = run_epilog(env, cfg)
+    assert res is not None and res.status == "staged", res
+    verify_checkpoint(Path(res.path or ""), full=True)
+
+
+def test_a_child_out_of_memory_keeps_scratch(pub_tmp: Path, scratch_base: Path, user: User,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A child left 16 MiB over what it inherits runs out while it screens a 16 MiB
+    checkpoint: the stage-out fails and the checkpoint stays on scratch for a rerun. Out of
+    memory is no sign of a corrupt checkpoint; passing it over would let scratch go."""
+    monkeypatch.setattr(userchild, "CHILD_MEMORY", 16 * 2**20)
+    root = pub_tmp / "shared"
+    owned_tree(root / user.name, user)
+    cfg = make_cfg(scratch_base, root)
+    env = user.env("902")
+    run_prolog(env, cfg)
+    ckpt = write_ckpt(scratch_base / "job_902" / "ckpt", 8, nbytes=16 * 2**20, owner=user)
+    res = run_epilog(env, cfg)
+    assert res is not None and res.status == "failed" and "MemoryError" in res.detail, res
+    verify_checkpoint(ckpt, full=True)
+    assert not (root / user.name / "job_902").exists()
