@@ -187,6 +187,9 @@ def run(
 
     Exits with CMD's status, or 0 after a requeue. See `slurm_ckpt.wrapper`.
     """
+    from . import startsignals
+
+    startsignals.hold()  # before the imports and config below: a signal may come already
     import dataclasses
 
     from .wrapper import run_wrapper

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 
+from .. import startsignals
 from ..protocol import COMMITTED, READY, Message
 from ..slurm import JobInfo
 from .backend import JobBackend
@@ -94,6 +95,9 @@ class SignalTrap:
         self._old_fd = signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
         for sig in self.signals:
             self._old[sig] = signal.signal(sig, self._handler)
+        self.pending += startsignals.take_over(self._old)
+        if self.pending:  # wake the first select for what came during start-up
+            self._w.send(b"\0")
         return self
 
     def fileno(self) -> int:

@@ -53,8 +53,8 @@ def _wrapper_argv(*args: str) -> list[str]:
 class Live:
     """A running wrapper whose event lines are read as they come."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(argv, env=env, text=True,
+    def __init__(self, argv: list[str], env: dict[str, str], preexec: Any = None) -> None:
+        self.proc = subprocess.Popen(argv, env=env, text=True, preexec_fn=preexec,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
         self.err: list[str] = []
         self.out: list[str] = []
@@ -153,6 +153,27 @@ def test_signal_before_the_child_listens_is_held_then_delivered(tmp_path: Path) 
     assert "forward" in names[ready_at:]  # re-sent to the trainer once it reported ready
     assert r.of("committed")[0]["run"] == "1"
     assert r.of("child-exit")[0]["code"] == "0"  # not killed by the signal's default action
+
+
+def _usr1_pending() -> None:
+    """In the forked child before exec: USR1 blocked and already sent, so it is pending
+    when the wrapper starts, as one that comes during its start-up is."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_a_signal_during_the_wrappers_start_up_is_a_checkpoint_request(tmp_path: Path) -> None:
+    out = tmp_path / "result"
+    child = [*CHILD, "--steps", "150", "--step-time", "0.01", "--every", "1000", "--out", str(out)]
+    live = Live(_wrapper_argv("--local", "--", *child), _env(tmp_path), preexec=_usr1_pending)
+    r = live.finish()
+    assert r.code == 0, r.stderr
+    signals = r.of("signal")
+    assert [(e["run"], e["signal"], e["action"]) for e in signals] == [("1", "USR1", "request")]
+    assert r.of("committed")[0]["run"] == "1" and [e["run"] for e in r.of("restart")] == ["2"]
+    first = int(r.of("committed")[0]["step"])
+    assert f"resumed from {first}" in r.stdout
+    assert out.read_text() == str(expected_acc(150))
 
 
 def test_crashed_child_exit_code_passes_through_without_requeue(tmp_path: Path) -> None:

@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from slurm_ckpt import startsignals
 from slurm_ckpt.control import Control, parse_signal
 from slurm_ckpt.errors import ConfigError
 from slurm_ckpt.protocol import Message, parse_message
 from slurm_ckpt.wrapper.channel import ControlServer
 from slurm_ckpt.wrapper.events import Events, parse_event
 from slurm_ckpt.wrapper.proctree import descendants, kill_tree
+from slurm_ckpt.wrapper.supervisor import SignalTrap
 
 
 def test_channel_round_trip_over_the_socket() -> None:
@@ -137,3 +139,24 @@ def test_descendants_and_kill_tree_on_a_real_tree() -> None:
     finally:
         sh.kill()
         sh.wait()
+
+
+def test_signals_held_at_start_up_go_to_the_trap_or_back_to_their_handler() -> None:
+    """Held USR1 and TERM go to the trap that handles them, in order; a held USR2 it does
+    not handle is raised again under the handler it had before; afterwards every
+    handler is the one from before the hold."""
+    seen: list[int] = []
+
+    def before(signum: int, frame: object) -> None:
+        seen.append(signum)
+
+    for sig in startsignals.HELD:
+        signal.signal(sig, before)
+    startsignals.hold()
+    for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGUSR1):
+        os.kill(os.getpid(), sig)
+    assert seen == []  # held, not handled
+    with SignalTrap([signal.SIGUSR1, signal.SIGTERM]) as trap:
+        assert seen == [signal.SIGUSR2]
+        assert trap.take() == [signal.SIGTERM, signal.SIGUSR1]
+    assert all(signal.getsignal(sig) is before for sig in startsignals.HELD)
