@@ -154,6 +154,7 @@ def run_bench(
                 # training_step pays them, outside the timing, as it does for every method.
                 training_step(state)
                 run(r)
+            _clear(asyncs)
         _penalties(asyncs, state, reps, res, tick)
         for r in range(reps):
             for name, fn, paths in shuffled(readers, r):
@@ -186,7 +187,6 @@ def _async_run(asyncs: dict[str, Checkpointer], state: Any, mode: str, res: Call
     """One timed ``save_async`` in ``mode``."""
     ck = asyncs[mode]
     result = res(f"ours async {mode}", "async")
-    remove_steps(ck.dir)
     t0 = time.perf_counter()
     h = ck.save_async(state, r + 1)
     stall = time.perf_counter() - t0
@@ -203,6 +203,19 @@ def _async_run(asyncs: dict[str, Checkpointer], state: Any, mode: str, res: Call
     tick("async", f"{mode} durable", r, durable, result.nbytes)
     if mode == "auto":
         info["auto_chose"] = h.mode
+
+
+def _clear(asyncs: dict[str, Checkpointer]) -> None:
+    """Delete the background saves' checkpoints, once all of a round has been timed.
+
+    Not right before each timed save: freeing a checkpoint's blocks goes on in
+    the kernel after the unlink returns (on a filesystem mounted with
+    ``discard``, the device is told of each freed extent), and it would take
+    cores from the next timed copy but not from a memcpy floor timed elsewhere.
+    """
+    for ck in asyncs.values():
+        remove_steps(ck.dir)
+    os.sync()
 
 
 def _memcpy_floors(raw: Raw, flat: dict[str, Any]) -> list[tuple[str, Callable[[], None]]]:
@@ -268,13 +281,13 @@ def _penalties(asyncs: dict[str, Checkpointer], state: Any, reps: int, res: Call
         base = update(own["auto"])
         res("in-place update, nothing in flight", "update").times.append(base)
         for mode, ck in asyncs.items():
-            remove_steps(ck.dir)
             h = ck.save_async(own[mode], 1000 + r)
             h.fence()
             secs = update(own[mode])
             h.wait()
             res(f"in-place update, {mode} in flight", "update").times.append(secs)
             tick("update", f"{mode} in flight", r, secs)
+        _clear(asyncs)
 
 
 def _small(root: Path, cfg: Any, reps: int, res: Callable[..., Result], tick: Tick) -> None:
