@@ -1,6 +1,6 @@
 """Where the copy snapshot's stall goes: the state's tensors copied into a staging buffer.
 
-    THP_MEM_ALLOC_ENABLE=1 python bench/staging_copy.py [--size 1G] [--reps 7]
+    THP_MEM_ALLOC_ENABLE=1 python bench/staging_copy.py [--size 1G] [--reps 7] [--dir /var/tmp]
     GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000 THP_MEM_ALLOC_ENABLE=1 \\
         python bench/staging_copy.py
 
@@ -14,7 +14,12 @@ threads). The state is the bench's synthetic one (``slurm-ckpt bench``).
   with the same offset in its page as its source (padding between), which no
   file image without holes can do in general;
 * ``capture``: the copy snapshot itself (``Staging.capture``), with the
-  encoding of the state.
+  encoding of the state;
+* ``save_async``: the default background save's stall, from a Checkpointer
+  in ``--dir``, the only one in the process (as in a trainer). Each save is
+  waited for outside the timing; every checkpoint is kept until the end,
+  since deleting one makes the kernel free its blocks while the next line is
+  timed.
 
 glibc's ``memmove`` switches to non-temporal stores only above
 ``x86_non_temporal_threshold`` (three quarters of the shared cache it
@@ -26,10 +31,14 @@ the stores and the page phase each cost.
 from __future__ import annotations
 
 import argparse
+import itertools
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
+from slurm_ckpt import Checkpointer
 from slurm_ckpt.bench.state import flatten, synthetic_state
 from slurm_ckpt.config import parse_size
 from slurm_ckpt.engine.buffers import address_of, aligned_buffer
@@ -41,6 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="1G")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--dir", default="/var/tmp", help="Where the save_async line writes (a temp dir in it).")
     args = ap.parse_args()
     state = synthetic_state(parse_size(args.size))
     tensors = list(flatten(state).values())
@@ -69,20 +79,34 @@ def main() -> None:
     def capture() -> None:
         staging.capture(encode_state(state).tensors)
 
+    run_dir = tempfile.mkdtemp(prefix="staging-copy-", dir=args.dir)
+    ck = Checkpointer(run_dir, keep=1000, distributed=False)
+    handles, steps = [], itertools.count(1)
+
+    def save_async() -> None:
+        handles.append(ck.save_async(state, next(steps)))
+
     cases = {
         f"floor: one piece, {threads} threads": floor,
         "each tensor, packed": each(False),
         "each tensor, page phase": each(True),
         "capture (the copy snapshot)": capture,
+        "save_async (the default's stall)": save_async,
     }
     for fn in cases.values():  # fault in and warm up
         fn()
+        if handles:
+            handles.pop().wait()
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.reps):
         for name, fn in cases.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+            if handles:
+                handles.pop().wait()
+    ck.close()
+    shutil.rmtree(run_dir)
     base = statistics.median(next(iter(times.values())))
     print(f"{total / 2**30:.2f} GiB in {len(tensors)} tensors, {args.reps} repetitions interleaved, medians")
     for name, ts in times.items():
