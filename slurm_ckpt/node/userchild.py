@@ -88,13 +88,13 @@ def _bound_memory() -> None:
     The limit counts from what the child inherited: the parent's mappings
     (libraries, thread stacks and malloc arenas) are no measure of what user
     data can make the child allocate, and a fixed limit below them would
-    leave the child unable to allocate anything at all. A lower hard limit
-    the hook was started with stays.
+    leave the child unable to allocate anything at all. A lower limit the
+    hook was started with stays.
     """
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
     limit = _inherited_address_space() + CHILD_MEMORY
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
+    for given in resource.getrlimit(resource.RLIMIT_AS):
+        if given != resource.RLIM_INFINITY:
+            limit = min(limit, given)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 

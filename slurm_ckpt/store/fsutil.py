@@ -87,9 +87,15 @@ def read_small(path: str | os.PathLike[str], limit: int) -> bytes:
         if size > limit:
             raise CheckpointCorrupt(f"{path}: {size} bytes, more than the {limit} expected", path)
         with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(limit + 1)
+            # Sized by the file, not by the limit: read(n) allocates n bytes first.
+            data = f.read(size + 1)
+            if len(data) > size:  # it grew since the fstat
+                data += f.read(limit + 1 - len(data))
     finally:
         os.close(fd)
+    if len(data) > limit:
+        raise CheckpointCorrupt(f"{path}: more than the {limit} bytes expected", path)
+    return data
 
 
 def fsync_file(fd: int, path: str | os.PathLike[str]) -> None:

@@ -81,17 +81,41 @@ def test_the_stage_out_works_under_a_parent_larger_than_its_bound(pub_tmp: Path,
 
 def test_a_child_out_of_memory_keeps_scratch(pub_tmp: Path, scratch_base: Path, user: User,
                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """A child left 16 MiB over what it inherits runs out while it screens a 16 MiB
-    checkpoint: the stage-out fails and the checkpoint stays on scratch for a rerun. Out of
-    memory is no sign of a corrupt checkpoint; passing it over would let scratch go."""
-    monkeypatch.setattr(userchild, "CHILD_MEMORY", 16 * 2**20)
+    """The child runs out of memory while it screens the checkpoint: the stage-out fails and
+    the checkpoint stays on scratch for a rerun. Out of memory is no sign of a corrupt
+    checkpoint; passing it over would let scratch go.
+
+    Faked: under the real limit, which allocation fails first depends on the free heap
+    the child inherits from the fork (a reused free chunk maps nothing new), so the
+    MemoryError is raised where the screen checks a checkpoint's headers.
+    """
+    from slurm_ckpt import store
+
+    def exhausted(path: Path, full: bool = True) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(store, "verify_checkpoint", exhausted)  # in the forked child too
     root = pub_tmp / "shared"
     owned_tree(root / user.name, user)
     cfg = make_cfg(scratch_base, root)
     env = user.env("902")
     run_prolog(env, cfg)
-    ckpt = write_ckpt(scratch_base / "job_902" / "ckpt", 8, nbytes=16 * 2**20, owner=user)
+    ckpt = write_ckpt(scratch_base / "job_902" / "ckpt", 8, owner=user)
     res = run_epilog(env, cfg)
     assert res is not None and res.status == "failed" and "MemoryError" in res.detail, res
+    monkeypatch.undo()
     verify_checkpoint(ckpt, full=True)
     assert not (root / user.name / "job_902").exists()
+
+
+def test_a_small_file_costs_the_child_its_size_not_its_limit(pub_tmp: Path, user: User,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The screens read manifests and JSON files with a limit of up to 1 GiB: reading a
+    100-byte one must not ask for the limit's worth of memory first."""
+    from slurm_ckpt.store.fsutil import read_small
+
+    small = pub_tmp / "small.json"
+    small.write_text('{"x": 1}' + " " * 92)
+    monkeypatch.setattr(userchild, "CHILD_MEMORY", 64 * 2**20)
+    out = userchild.run_as_user(job_of(user), lambda: read_small(small, GiB)[:8], 30.0, name="probe")
+    assert out.result == b'{"x": 1}', out
