@@ -190,16 +190,20 @@ def run(
     from . import startsignals
 
     startsignals.hold()  # before the imports and config below: a signal may come already
-    import dataclasses
+    try:
+        import dataclasses
 
-    from .wrapper import run_wrapper
+        from .wrapper import run_wrapper
 
-    cfg = load_config()
-    flags: dict[str, Any] = {"signal": sig, "max_requeues": max_requeues, "margin": margin}
-    wcfg = dataclasses.replace(cfg.wrapper, **{k: v for k, v in flags.items() if v is not None})
-    wcfg.validate()
-    cfg = dataclasses.replace(cfg, wrapper=wcfg)
-    sys.exit(run_wrapper(list(cmd), cfg, local=local, preempt_after=preempt_after, run_dir=dir))
+        cfg = load_config()
+        flags: dict[str, Any] = {"signal": sig, "max_requeues": max_requeues, "margin": margin}
+        wcfg = dataclasses.replace(cfg.wrapper, **{k: v for k, v in flags.items() if v is not None})
+        wcfg.validate()
+        cfg = dataclasses.replace(cfg, wrapper=wcfg)
+        code = run_wrapper(list(cmd), cfg, local=local, preempt_after=preempt_after, run_dir=dir)
+    finally:
+        startsignals.release()  # a no-op once the wrapper's trap took them over
+    sys.exit(code)
 
 
 @main.command()

@@ -4,7 +4,9 @@ Slurm may signal a job step at its first instant: a time limit checked just as
 a late-starting job launches, a preemption. Until the wrapper's trap is in
 place, the default action of USR1 or TERM would end the wrapper with no
 checkpoint and no requeue. So the command line calls :func:`hold` before its
-heavier imports, and the trap takes over what arrived (:func:`take_over`).
+heavier imports, and the trap takes over what arrived (:func:`take_over`);
+if ``run`` fails before it has a trap, :func:`release` gives every signal its
+handler back and raises what came.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import signal
 from types import FrameType
 from typing import Any
 
-__all__ = ["HELD", "hold", "take_over"]
+__all__ = ["HELD", "hold", "release", "take_over"]
 
 HELD = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 """The signals ``sbatch --signal`` and preemption send to a step."""
@@ -46,15 +48,27 @@ def take_over(handlers: dict[signal.Signals, Any]) -> list[int]:
     handles, in the order they came. A held signal the trap does not handle
     gets its earlier handler back and is raised again, as if it came now.
     """
-    for sig, old in handlers.items():
-        if old is _record:
-            handlers[sig] = _before.get(sig, signal.SIG_DFL)
-    came, _pending[:] = list(_pending), []
-    others = [sig for sig in _before if sig not in handlers]
-    for sig in others:
-        signal.signal(sig, _before[sig])
-    _before.clear()
-    for signum in came:
-        if signum in others:
-            signal.raise_signal(signum)
+    # Blocked while the handlers change hands: one that comes meanwhile waits
+    # for the handler it ends up with, instead of landing in a list nobody reads.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
+    try:
+        for sig, old in handlers.items():
+            if old is _record:
+                handlers[sig] = _before.get(sig, signal.SIG_DFL)
+        others = [sig for sig in _before if sig not in handlers]
+        for sig in others:
+            signal.signal(sig, _before[sig])
+        _before.clear()
+        came, _pending[:] = list(_pending), []
+        for signum in came:
+            if signum in others:
+                signal.raise_signal(signum)  # pending until the mask is restored
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return [s for s in came if s in handlers]
+
+
+def release() -> None:
+    """Stop holding without a trap (``run`` failed before it had one): every held
+    signal gets its earlier handler back, and what came is raised again."""
+    take_over({})

@@ -95,7 +95,7 @@ class SignalTrap:
         self._old_fd = signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
         for sig in self.signals:
             self._old[sig] = signal.signal(sig, self._handler)
-        self.pending += startsignals.take_over(self._old)
+        self.pending[:0] = startsignals.take_over(self._old)  # they came first
         if self.pending:  # wake the first select for what came during start-up
             self._w.send(b"\0")
         return self

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -141,22 +142,40 @@ def test_descendants_and_kill_tree_on_a_real_tree() -> None:
         sh.wait()
 
 
-def test_signals_held_at_start_up_go_to_the_trap_or_back_to_their_handler() -> None:
-    """Held USR1 and TERM go to the trap that handles them, in order; a held USR2 it does
-    not handle is raised again under the handler it had before; afterwards every
-    handler is the one from before the hold."""
+@pytest.fixture
+def before_hold() -> Iterator[list[int]]:
+    """HELD signals go to a handler that lists them; whatever a test leaves held is released
+    (the suite's autouse fixture restores the handlers)."""
     seen: list[int] = []
-
-    def before(signum: int, frame: object) -> None:
-        seen.append(signum)
-
     for sig in startsignals.HELD:
-        signal.signal(sig, before)
+        signal.signal(sig, lambda signum, frame: seen.append(signum))
+    try:
+        yield seen
+    finally:
+        startsignals.release()
+
+
+def test_signals_held_at_start_up_go_to_the_trap_or_back_to_their_handler(before_hold: list[int]) -> None:
+    """Held USR1 and TERM go to the trap that handles them, first and in order; a held USR2
+    it does not handle is raised again under the handler it had before; afterwards every
+    handler is the one from before the hold."""
+    handlers = {sig: signal.getsignal(sig) for sig in startsignals.HELD}
     startsignals.hold()
     for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGUSR1):
         os.kill(os.getpid(), sig)
-    assert seen == []  # held, not handled
+    assert before_hold == []  # held, not handled
     with SignalTrap([signal.SIGUSR1, signal.SIGTERM]) as trap:
-        assert seen == [signal.SIGUSR2]
-        assert trap.take() == [signal.SIGTERM, signal.SIGUSR1]
-    assert all(signal.getsignal(sig) is before for sig in startsignals.HELD)
+        assert before_hold == [signal.SIGUSR2]
+        os.kill(os.getpid(), signal.SIGUSR1)  # after the take-over: behind the held ones
+        assert trap.take() == [signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR1]
+    assert {sig: signal.getsignal(sig) for sig in startsignals.HELD} == handlers
+
+
+def test_signals_held_when_run_fails_before_its_trap_are_raised_again(before_hold: list[int]) -> None:
+    handlers = {sig: signal.getsignal(sig) for sig in startsignals.HELD}
+    startsignals.hold()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    startsignals.release()
+    assert before_hold == [signal.SIGUSR1, signal.SIGTERM]
+    assert {sig: signal.getsignal(sig) for sig in startsignals.HELD} == handlers
