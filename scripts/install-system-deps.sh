@@ -10,7 +10,7 @@ die() { echo "install-system-deps: $*" >&2; exit 1; }
 
 packages=(slurm-wlm munge xfsprogs quota fuse3 libfuse3-dev pkg-config
           prometheus prometheus-node-exporter iproute2 util-linux procps
-          psmisc acl e2fsprogs)
+          psmisc acl e2fsprogs gcc libc6-dev)
 
 missing=()
 for p in "${packages[@]}"; do

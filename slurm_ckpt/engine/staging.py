@@ -11,22 +11,17 @@ is queued with ``non_blocking=True`` and the stream is synchronized once at the
 end, instead of once per tensor. ``streams`` lets the lazy mode run the
 copies on side streams that first wait for the trainer's streams.
 
-CPU tensors are copied with ``memmove``, not torch's ``copy_``: the bytes are
-the same (same dtype, contiguous), the call costs a fraction of a torch op's
-dispatch, and it releases the GIL, so the whole state's bytes are split evenly
-over :func:`copy_threads` threads (:func:`copy_bytes`) instead of each tensor
-being handed to torch's intra-op threads in turn, which wait for one another
-at the end of every tensor and lose most when other processes share the cores.
+CPU tensors whose bytes are their values are copied by address
+(:func:`~slurm_ckpt.engine.memcopy.copy_bytes`), not with torch's ``copy_``:
+the bytes are the same, the call costs a fraction of a torch op's dispatch,
+and the copy is split over threads with stores that bypass the cache.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +29,9 @@ from ..store.codec import TensorEntry
 from ..store.tensorfile import build_header
 from .buffers import aligned_buffer
 from .layout import FileImage, order_entries
+from .memcopy import Piece, copy_bytes, copy_threads
 
-__all__ = ["Pair", "Staging", "available_memory", "copy_bytes", "copy_pairs", "copy_threads", "is_cuda"]
+__all__ = ["Pair", "Staging", "available_memory", "copy_pairs", "is_cuda"]
 
 Pair = tuple[TensorEntry, Any]
 """An entry of the state and the tensor at its place in the staging buffer."""
@@ -203,80 +199,6 @@ def copy_pairs(pairs: Sequence[Pair], streams: dict[Any, Any] | None = None, *, 
 def _plain_cpu(t: Any) -> bool:
     """Whether ``t``'s bytes, as they lie in memory, are its values in its dtype."""
     return bool(t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg())
-
-
-Piece = tuple[int, int, int]
-"""(destination address, source address, bytes) of one ``memmove``."""
-
-_SPLIT = 8 << 20  # below this, one thread copies it all: waking others costs more
-_pool: ThreadPoolExecutor | None = None
-_pool_workers = 0
-_pool_lock = threading.Lock()
-
-
-def copy_threads() -> int:
-    """Threads a staging copy runs on: one per core this process may use, at most 8.
-
-    A copy is bound by memory bandwidth, which a few cores' copies fill; the
-    trainer waits for the copy, so its cores are free meanwhile.
-    """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(8, cores))
-
-
-def copy_bytes(pieces: Sequence[Piece], *, threads: int = 1) -> None:
-    """``memmove`` every piece, the bytes split evenly over ``threads`` threads (this one included)."""
-    total = sum(n for _, _, n in pieces)
-    if threads <= 1 or total < _SPLIT:
-        _memmove_all(pieces)
-        return
-    share = -(-total // threads)
-    share += -share % 4096  # cut at page boundaries of the buffer
-    shares: list[list[Piece]] = [[]]
-    room = share
-    for dst, src, n in pieces:
-        while n:
-            take = min(n, room)
-            shares[-1].append((dst, src, take))
-            dst, src, n, room = dst + take, src + take, n - take, room - take
-            if not room:
-                shares.append([])
-                room = share
-    pool = _thread_pool(threads - 1)
-    futures = [pool.submit(_memmove_all, part) for part in shares[1:] if part]
-    _memmove_all(shares[0])
-    for f in futures:
-        f.result()
-
-
-def _memmove_all(pieces: Sequence[Piece]) -> None:
-    move = ctypes.memmove  # a ctypes foreign call: it releases the GIL
-    for dst, src, n in pieces:
-        move(dst, src, n)
-
-
-def _thread_pool(workers: int) -> ThreadPoolExecutor:
-    global _pool, _pool_workers
-    with _pool_lock:
-        if _pool is None or _pool_workers < workers:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slurm-ckpt-memcpy")
-            _pool_workers = workers
-        return _pool
-
-
-def _forget_pool_in_child() -> None:
-    # A forked child has the pool object but none of its threads, and maybe a
-    # lock another thread held at the fork: it starts without either.
-    global _pool, _pool_workers, _pool_lock
-    _pool, _pool_workers, _pool_lock = None, 0, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 def _pin(addr: int, nbytes: int) -> bool:

@@ -401,23 +401,6 @@ def test_staging_is_reused_and_holds_one_copy(tmp_path: Path) -> None:
     assert staging._buf.data_ptr() % 4096 == 0
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3, 8])
-def test_copy_bytes_splits_the_pieces_over_threads_and_copies_every_byte(threads: int) -> None:
-    from slurm_ckpt.engine.staging import copy_bytes
-
-    g = torch.Generator().manual_seed(threads)
-    # Pieces of odd sizes, some far larger than a thread's share, some tiny, some empty.
-    sizes = [5, 0, 3 << 20, 4097, 11 << 20, 1, 7 << 20, 123_457]
-    src = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
-    dst = torch.zeros(sum(sizes) + 64, dtype=torch.uint8)
-    pieces, off = [], 0
-    for t in src:
-        pieces.append((dst.data_ptr() + off, t.data_ptr(), t.numel()))
-        off += t.numel()
-    copy_bytes(pieces, threads=threads)
-    assert torch.equal(dst[:off], torch.cat(src)) and not dst[off:].any()
-
-
 def test_staging_copies_views_whose_bytes_are_not_their_values() -> None:
     # Conjugate and negative views, and non-contiguous ones, go through torch's
     # copy; a raw memmove would store the bytes underneath instead of the values.

@@ -1,0 +1,81 @@
+/*
+ * The staging copy's inner loop: many (destination, source, length) pieces,
+ * copied with non-temporal stores.
+ *
+ * An ordinary store first reads the destination's cache line into the cache
+ * (a read for ownership), so a copy that does not fit in the cache moves
+ * three bytes over the memory bus for each byte copied. A non-temporal store
+ * writes whole lines straight to memory: two bytes for each. The staging
+ * buffer is written once and then read by the disk, never soon by the CPU,
+ * so it gains nothing from the cache. glibc's memmove switches to such
+ * stores only for one copy larger than most of the last-level cache, which
+ * a whole state copied in one piece is and a state's tensors copied one by
+ * one are not.
+ *
+ * No Python API: slurm_ckpt/engine/memcopy.py loads this with ctypes, whose
+ * foreign calls release the GIL, and falls back to ctypes.memmove where it
+ * was not built. The pieces never overlap (a state's tensors into a buffer of
+ * our own), so this is memcpy, not memmove.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__SSE2__) /* every x86-64 CPU */
+#include <emmintrin.h>
+#define NONTEMPORAL 1
+#else
+#define NONTEMPORAL 0
+#endif
+
+struct piece {
+    uint64_t dst, src, len;
+};
+
+/* Below this a piece is copied through the cache: too short for whole lines to pay. */
+enum { STREAM_MIN = 4096 };
+
+int sckpt_nontemporal(void) { return NONTEMPORAL; }
+
+#if NONTEMPORAL
+static void stream(char *dst, const char *src, size_t len) {
+    size_t head = -(uintptr_t)dst & 63; /* up to the destination's next cache line */
+    memcpy(dst, src, head);
+    dst += head, src += head, len -= head;
+    for (size_t lines = len / 64; lines; lines--) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src);
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+        dst += 64, src += 64;
+    }
+    memcpy(dst, src, len & 63);
+}
+#endif
+
+/* Copy every piece; with nontemporal, pieces of STREAM_MIN bytes or more
+ * bypass the cache. On return every byte is visible to other threads. */
+void sckpt_copy(const struct piece *pieces, size_t count, int nontemporal) {
+    for (size_t i = 0; i < count; i++) {
+        char *dst = (char *)(uintptr_t)pieces[i].dst;
+        const char *src = (const char *)(uintptr_t)pieces[i].src;
+        size_t len = (size_t)pieces[i].len;
+#if NONTEMPORAL
+        if (nontemporal && len >= STREAM_MIN) {
+            stream(dst, src, len);
+            continue;
+        }
+#endif
+        memcpy(dst, src, len);
+    }
+#if NONTEMPORAL
+    /* Non-temporal stores are weakly ordered: fence them before the caller
+     * hands the buffer to another thread or to the disk. */
+    if (nontemporal)
+        _mm_sfence();
+#endif
+}
