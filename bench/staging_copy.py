@@ -1,18 +1,17 @@
 """Where the copy snapshot's stall goes: the state's tensors copied into a staging buffer.
 
     THP_MEM_ALLOC_ENABLE=1 python bench/staging_copy.py [--size 1G] [--reps 7] [--dir /var/tmp]
-    GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000 THP_MEM_ALLOC_ENABLE=1 \\
-        python bench/staging_copy.py
 
 Each line is a median over interleaved repetitions, as a ratio to the first
-(the floor: the same number of bytes in one piece, split over the copy's
-threads). The state is the bench's synthetic one (``slurm-ckpt bench``).
+(the floor: the same number of bytes in one piece with libc's ``memmove``,
+split over the copy's threads). The state is the bench's synthetic one
+(``slurm-ckpt bench``).
 
-* ``each tensor, packed``: one ``memmove`` per tensor to consecutive offsets,
-  as the copy snapshot lays out a file image;
-* ``each tensor, page phase``: the same, but each tensor placed at an address
-  with the same offset in its page as its source (padding between), which no
-  file image without holes can do in general;
+* ``each tensor, memmove``: one libc ``memmove`` per tensor to consecutive
+  offsets, as the copy snapshot lays out a file image;
+* ``each tensor, streaming``: the same pieces with the staging copy's
+  non-temporal stores (``slurm_ckpt/engine/memcopy.py``), when it is built;
+* ``one piece, streaming``: the floor's piece with those stores;
 * ``capture``: the copy snapshot itself (``Staging.capture``), with the
   encoding of the state;
 * ``save_async``: the default background save's stall, from a Checkpointer
@@ -23,9 +22,9 @@ threads). The state is the bench's synthetic one (``slurm-ckpt bench``).
 
 glibc's ``memmove`` switches to non-temporal stores only above
 ``x86_non_temporal_threshold`` (three quarters of the shared cache it
-detects), so the floor's large pieces get them and most tensors do not; the
-second command lowers the threshold for this process alone, to show what
-the stores and the page phase each cost.
+detects), so the floor's large pieces get them and a state's tensors, one
+by one, do not: the two ``memmove`` lines show what that costs, and the
+streaming lines what the staging copy gets back.
 """
 
 from __future__ import annotations
@@ -42,7 +41,8 @@ from slurm_ckpt import Checkpointer
 from slurm_ckpt.bench.state import flatten, synthetic_state
 from slurm_ckpt.config import parse_size
 from slurm_ckpt.engine.buffers import address_of, aligned_buffer
-from slurm_ckpt.engine.staging import Staging, copy_bytes, copy_threads
+from slurm_ckpt.engine.memcopy import copy_bytes, copy_threads, nontemporal
+from slurm_ckpt.engine.staging import Staging
 from slurm_ckpt.store.codec import encode_state
 
 
@@ -56,23 +56,19 @@ def main() -> None:
     tensors = list(flatten(state).values())
     sizes = [t.numel() * t.element_size() for t in tensors]
     total, threads = sum(sizes), copy_threads()
-    slack = 4096 * len(tensors)
-    src, dst = aligned_buffer(total), aligned_buffer(total + slack)
+    src, dst = aligned_buffer(total), aligned_buffer(total)
     staging = Staging()
 
-    def floor() -> None:
-        copy_bytes([(address_of(dst), address_of(src), total)], threads=threads)
+    def one_piece(libc: bool) -> Callable[[], None]:
+        return lambda: copy_bytes([(address_of(dst), address_of(src), total)], threads=threads, libc=libc)
 
-    def each(phase: bool) -> Callable[[], None]:
+    def each(libc: bool) -> Callable[[], None]:
         def run() -> None:
             pieces, off = [], address_of(dst)
             for t, n in zip(tensors, sizes, strict=True):
-                s = int(t.data_ptr())
-                if phase:
-                    off += (s - off) % 4096
-                pieces.append((off, s, n))
+                pieces.append((off, int(t.data_ptr()), n))
                 off += n
-            copy_bytes(pieces, threads=threads)
+            copy_bytes(pieces, threads=threads, libc=libc)
 
         return run
 
@@ -87,9 +83,12 @@ def main() -> None:
         handles.append(ck.save_async(state, next(steps)))
 
     cases = {
-        f"floor: one piece, {threads} threads": floor,
-        "each tensor, packed": each(False),
-        "each tensor, page phase": each(True),
+        f"floor: one piece, {threads} threads": one_piece(True),
+        "each tensor, memmove": each(True),
+    }
+    if nontemporal():
+        cases |= {"each tensor, streaming": each(False), "one piece, streaming": one_piece(False)}
+    cases |= {
         "capture (the copy snapshot)": capture,
         "save_async (the default's stall)": save_async,
     }

@@ -18,7 +18,8 @@ from typing import Any
 from ..checkpointer import Checkpointer
 from ..config import SNAPSHOTS, EngineConfig, load_config
 from ..engine.buffers import address_of, aligned_buffer
-from ..engine.staging import Staging, copy_bytes, copy_threads
+from ..engine.memcopy import copy_bytes, copy_threads, nontemporal
+from ..engine.staging import Staging
 from .disk import Raw, drop_cache
 from .peers import dcp_load, dcp_save, st_load, st_save, torch_save
 from .scripts import remove_steps, training_step
@@ -225,30 +226,36 @@ def _memcpy_floors(raw: Raw, flat: dict[str, Any]) -> list[tuple[str, Callable[[
 
     The source is the raw rows' buffer: as many bytes as the state, in one
     page-aligned piece on huge pages, which no trainer's tensors beat. The
-    destination is allocated as the staging buffer is, and faulted in.
+    destination is allocated as the staging buffer is, and faulted in. The
+    floors are libc's ``memmove``, whatever the staging copy uses.
 
-    A last line copies the state's own tensors, one ``memcpy`` each, on the
-    same threads: what the copy snapshot does, less its bookkeeping. Between
-    it and the floor is what the tensors' sizes and places in memory cost.
+    Two last lines copy the state's own tensors to their places, one piece
+    each, on the same threads: with libc's ``memmove`` (through the cache),
+    and with the staging copy's stores (what the copy snapshot does, less its
+    bookkeeping). Between them and the floor is what the tensors' sizes and
+    places in memory, and the kind of store, cost.
     """
     dst = aligned_buffer(raw.nbytes)
     threads = copy_threads()
 
     def copy(n: int) -> None:
-        copy_bytes([(address_of(dst), address_of(raw.buf), raw.nbytes)], threads=n)
+        copy_bytes([(address_of(dst), address_of(raw.buf), raw.nbytes)], threads=n, libc=True)
 
-    def tensors() -> None:
+    def tensors(libc: bool) -> None:
         pieces, off = [], address_of(dst)
         for t in flat.values():
             n = t.numel() * t.element_size()
             pieces.append((off, int(t.data_ptr()), n))
             off += n
-        copy_bytes(pieces, threads=threads)
+        copy_bytes(pieces, threads=threads, libc=libc)
 
     floors: list[tuple[str, Callable[[], None]]] = [(f"{FLOOR}, 1 thread", functools.partial(copy, 1))]
     if threads > 1:
         floors.append((f"{FLOOR}, {threads} threads", functools.partial(copy, threads)))
-    floors.append((f"memcpy of each tensor, {threads} thread{'s' * (threads > 1)}", tensors))
+    on = f"{threads} thread{'s' * (threads > 1)}"
+    floors.append((f"memcpy of each tensor, {on}", functools.partial(tensors, True)))
+    if nontemporal():
+        floors.append((f"streaming copy of each tensor, {on}", functools.partial(tensors, False)))
     return floors
 
 
