@@ -4,7 +4,9 @@ The buffer holds the file's exact bytes (header, then each tensor at its file
 offset), page-aligned, so the writer sends it to disk with ``O_DIRECT`` and no
 further copy. It is kept between saves and reused when the next state fits, so
 after the first save a copy costs no page faults and no allocation; the extra
-memory is the state's size, once.
+memory is the state's size, once. A forked child (a DataLoader worker) gets
+zeros there instead of sharing its pages, which would make the next copy pay
+a copy-on-write fault for every 4 KiB of it.
 
 With CUDA tensors the buffer is pinned host memory: every device-to-host copy
 is queued with ``non_blocking=True`` and the stream is synchronized once at the
@@ -77,7 +79,7 @@ class Staging:
             return self._buf
         self.release()  # free first: peak memory stays one buffer, not two
         cap = -(-nbytes // _GROW) * _GROW
-        self._owner = aligned_buffer(cap)
+        self._owner = aligned_buffer(cap, wipe_on_fork=True)  # DataLoader workers must not share it
         self._buf = torch.frombuffer(self._owner, dtype=torch.uint8)
         # Pinned by registering our own page-aligned memory rather than with
         # pin_memory=True, whose caching allocator rounds up to a power of two

@@ -401,6 +401,54 @@ def test_staging_is_reused_and_holds_one_copy(tmp_path: Path) -> None:
     assert staging._buf.data_ptr() % 4096 == 0
 
 
+def test_a_child_forked_between_saves_neither_shares_the_staging_buffer_nor_slows_the_next_copy(
+    tmp_path: Path,
+) -> None:
+    # A DataLoader worker forked between two saves lives through the second.
+    # Were the staging buffer shared with it copy-on-write, the second copy
+    # would take a fault for each 4 KiB of the buffer (16,384 here); the
+    # child gets zeros instead, and the copy takes almost none.
+    import ctypes
+    import resource
+
+    from slurm_ckpt import Checkpointer
+
+    state = {f"w{i}": torch.randn(4 << 20) for i in range(4)}  # 64 MiB
+    ck = Checkpointer(tmp_path, distributed=False)
+    try:
+        ck.save_async(state, 1).wait()
+        assert ck.engine.staging._buf is not None  # the default copied into staging
+        addr = int(ck.engine.staging._buf.data_ptr())
+        assert ctypes.string_at(addr, 8) != bytes(8)  # the file's header length
+        pages = ck.engine.staging.capacity // 4096
+        from_parent, to_child = os.pipe()
+        from_child, to_parent = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the worker: reports what it sees there, then waits for the parent
+            code = 1
+            try:
+                os.write(to_parent, b"z" if ctypes.string_at(addr, 8) == bytes(8) else b"p")
+                os.read(from_parent, 1)
+                code = 0
+            finally:
+                os._exit(code)
+        try:
+            assert os.read(from_child, 1) == b"z"  # zeros, not the parent's pages
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            handle = ck.save_async(state, 2)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+            handle.wait()
+        finally:
+            os.write(to_child, b"x")
+            assert os.waitpid(pid, 0)[1] == 0
+        assert faults < pages // 8, f"{faults} page faults copying into a staging buffer of {pages} pages"
+        loaded = ck.load_latest()
+        assert ck.loaded_step == 2
+        assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    finally:
+        ck.close()
+
+
 def test_staging_copies_views_whose_bytes_are_not_their_values() -> None:
     # Conjugate and negative views, and non-contiguous ones, go through torch's
     # copy; a raw memmove would store the bytes underneath instead of the values.
