@@ -1,21 +1,12 @@
 /*
  * The staging copy's inner loop: many (destination, source, length) pieces,
- * copied with non-temporal stores.
+ * copied with non-temporal stores, which write whole cache lines to memory
+ * without reading them first. Why: slurm_ckpt/engine/memcopy.py.
  *
- * An ordinary store first reads the destination's cache line into the cache
- * (a read for ownership), so a copy that does not fit in the cache moves
- * three bytes over the memory bus for each byte copied. A non-temporal store
- * writes whole lines straight to memory: two bytes for each. The staging
- * buffer is written once and then read by the disk, never soon by the CPU,
- * so it gains nothing from the cache. glibc's memmove switches to such
- * stores only for one copy larger than most of the last-level cache, which
- * a whole state copied in one piece is and a state's tensors copied one by
- * one are not.
- *
- * No Python API: slurm_ckpt/engine/memcopy.py loads this with ctypes, whose
- * foreign calls release the GIL, and falls back to ctypes.memmove where it
- * was not built. The pieces never overlap (a state's tensors into a buffer of
- * our own), so this is memcpy, not memmove.
+ * No Python API: memcopy.py loads this with ctypes, whose foreign calls
+ * release the GIL, and falls back to ctypes.memmove where it was not built.
+ * The pieces never overlap (a state's tensors into a buffer of our own), so
+ * this is memcpy, not memmove.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -34,6 +25,8 @@ struct piece {
 
 /* Below this a piece is copied through the cache: too short for whole lines to pay. */
 enum { STREAM_MIN = 4096 };
+/* stream() copies up to 63 bytes before its first whole line. */
+_Static_assert(STREAM_MIN >= 64, "stream() needs at least a line");
 
 int sckpt_nontemporal(void) { return NONTEMPORAL; }
 
@@ -57,15 +50,15 @@ static void stream(char *dst, const char *src, size_t len) {
 }
 #endif
 
-/* Copy every piece; with nontemporal, pieces of STREAM_MIN bytes or more
- * bypass the cache. On return every byte is visible to other threads. */
-void sckpt_copy(const struct piece *pieces, size_t count, int nontemporal) {
+/* Copy every piece; those of STREAM_MIN bytes or more bypass the cache.
+ * On return every byte is visible to other threads and to devices. */
+void sckpt_copy(const struct piece *pieces, size_t count) {
     for (size_t i = 0; i < count; i++) {
         char *dst = (char *)(uintptr_t)pieces[i].dst;
         const char *src = (const char *)(uintptr_t)pieces[i].src;
         size_t len = (size_t)pieces[i].len;
 #if NONTEMPORAL
-        if (nontemporal && len >= STREAM_MIN) {
+        if (len >= STREAM_MIN) {
             stream(dst, src, len);
             continue;
         }
@@ -75,7 +68,6 @@ void sckpt_copy(const struct piece *pieces, size_t count, int nontemporal) {
 #if NONTEMPORAL
     /* Non-temporal stores are weakly ordered: fence them before the caller
      * hands the buffer to another thread or to the disk. */
-    if (nontemporal)
-        _mm_sfence();
+    _mm_sfence();
 #endif
 }

@@ -1,17 +1,21 @@
 """Memory-to-memory copies of many pieces, split over threads: the staging copy's engine.
 
-A snapshot copies the state's CPU tensors into the staging buffer, which the
-disk reads next and the CPU never does. The copy is bound by memory
-bandwidth, so two things decide its speed:
+A snapshot copies the state's CPU tensors into the staging buffer while the
+trainer waits; the writer's checksum threads and the disk read the buffer
+afterwards, in the background. The copy is bound by memory bandwidth, so two
+things decide how long the trainer waits:
 
 * **The stores.** An ordinary store reads each destination cache line before
   writing it; a non-temporal store does not, so a copy larger than the cache
   moves two bytes over the memory bus per byte instead of three. glibc's
   ``memmove`` uses them only for one copy larger than most of the last-level
   cache, which a whole state in one piece is and its tensors one by one are
-  not. ``_memcopy.c`` streams every piece of 4 KiB or more; it is built at
-  install time where a C compiler is present, and without it every piece
-  goes through ``ctypes.memmove`` (:func:`nontemporal` says which).
+  not. ``_memcopy.c`` streams every piece of 4 KiB or more. The buffer is then
+  not in the cache when the checksum threads read it, which costs the
+  background write, not the stall. ``_memcopy.c`` is a shared library, not a
+  Python module: it is built at install time where a C compiler is present
+  and loaded here with ctypes; without it every piece goes through
+  ``ctypes.memmove`` (:func:`nontemporal` says which).
 * **The threads.** A few cores' copies fill the bandwidth, and both ways of
   calling C here release the GIL, so the bytes are split evenly over
   :func:`copy_threads` threads instead of each tensor being handed to torch's
@@ -52,12 +56,12 @@ def _load_native() -> ctypes.CDLL | None:
             continue
         try:
             lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            log.warning("cannot load %s (%s); staging copies use memmove", path.name, e)
+            lib.sckpt_copy.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            lib.sckpt_nontemporal.argtypes = []
+        except (OSError, AttributeError) as e:  # unloadable, or built from another version
+            log.warning("cannot use %s (%s); staging copies use memmove", path.name, e)
             return None
-        lib.sckpt_copy.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         lib.sckpt_copy.restype = None
-        lib.sckpt_nontemporal.argtypes = []
         lib.sckpt_nontemporal.restype = ctypes.c_int
         return lib
     return None
@@ -123,7 +127,7 @@ def _memmove_all(pieces: Sequence[Piece]) -> None:
 def _stream_all(pieces: Sequence[Piece]) -> None:
     assert _native is not None
     flat = array.array("Q", [v for piece in pieces for v in piece])  # struct piece[] in C
-    _native.sckpt_copy(flat.buffer_info()[0], len(pieces), 1)
+    _native.sckpt_copy(flat.buffer_info()[0], len(pieces))
 
 
 _pool: ThreadPoolExecutor | None = None
