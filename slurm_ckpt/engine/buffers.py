@@ -89,9 +89,10 @@ def aligned_buffer(nbytes: int, *, huge: bool = True, wipe_on_fork: bool = False
     of the parent's pages, for buffers only the engine reads (staging, bounce).
     Otherwise fork() shares every page copy-on-write with the child, and while
     the child lives (a DataLoader worker lives for an epoch) the parent's next
-    write to each page copies it, 4 KiB at a time, breaking up huge pages: the
-    next copy into a 1 GiB staging buffer took 3 s instead of 0.07 s. Never
-    for memory handed to the trainer, which its children may read.
+    write to each page copies it in a fault, 4 KiB at a time, breaking up huge
+    pages (``bench/worker_fork.py``). Never for memory handed to the trainer,
+    which its children may read, nor for anything a fork snapshot's child
+    writes out (``forked.py``).
     """
     mm = huge_buffer(nbytes, huge=huge)
     if wipe_on_fork:

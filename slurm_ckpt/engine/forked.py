@@ -28,7 +28,9 @@ mapping (``share_memory_()``, ``torch.from_file(shared=True)``, a NumPy
 memmap) is the same pages in both processes, so the trainer's later writes
 would reach the child's checkpoint; and CUDA's pinned host memory is not
 mapped in the child at all. Such tensors are copied into private memory
-before the fork (:func:`frozen_by_fork`).
+before the fork (:func:`frozen_by_fork`). The engine's staging and bounce
+buffers read as zeros in the child (``buffers.aligned_buffer(wipe_on_fork=
+True)``), so the image a child writes must never point into them.
 
 Protocol. The parent sends one JSON line per file to write, ``{"path": ...}``,
 and gets ``{"ok": true, "size", "checksum"}`` or ``{"ok": false, "errno",

@@ -161,7 +161,9 @@ class Staging:
         """Copy ``entries`` (any device, any layout) into the buffer.
 
         Returns the file image and entries whose tensors are views of the
-        buffer, in file order. On return every byte is in host memory.
+        buffer, in file order. On return every byte is in host memory. A
+        forked child sees zeros in the buffer: only this process may write
+        those views out.
         """
         image, pairs = self.prepare(entries, metadata)
         copy_pairs(pairs, streams)
