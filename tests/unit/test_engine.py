@@ -306,6 +306,22 @@ def test_every_mode_commits_the_same_readable_checkpoint(tmp_path: Path, mode: s
     assert_same(load_state(path, man), want)  # the reference reader
 
 
+def test_a_fork_snapshot_after_staged_ones_writes_the_state_not_the_wiped_buffers(tmp_path: Path) -> None:
+    # auto falls back to fork once a grown state no longer fits a staging copy,
+    # in an engine whose staging and bounce buffers a forked child sees as zeros.
+    state = mixed_state()
+    eng = Engine(EngineConfig(chunk_size=8192, threads=3))
+    want = dict(state, t=state["t"].contiguous())
+    for step, mode in enumerate(("copy", "fork", "copy", "fork"), start=1):
+        job = eng.job(state, mode=mode)
+        try:
+            path = commit(tmp_path, step, job.write, nbytes=job.nbytes)
+        finally:
+            job.close()
+        assert_same(eng.load(path, verify_checkpoint(path)), want)
+    assert eng.staging.capacity  # the copies used it, and the forks came after
+
+
 @pytest.mark.parametrize("mode", ["overlap", "copy", "fork", "lazy"])
 def test_in_place_updates_after_the_snapshot_do_not_leak(tmp_path: Path, mode: str) -> None:
     state = {"w": torch.arange(100_000, dtype=torch.float32), "step": 1}
@@ -409,10 +425,15 @@ def test_a_child_forked_between_saves_neither_shares_the_staging_buffer_nor_slow
     # would take a fault for each 4 KiB of the buffer (16,384 here); the
     # child gets zeros instead, and the copy takes almost none.
     import ctypes
+    import mmap
     import resource
 
     from slurm_ckpt import Checkpointer
 
+    probe = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as the engine maps them
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(probe))), mmap.PAGESIZE, 18):
+        pytest.skip("this kernel refuses MADV_WIPEONFORK (Linux 4.14+): children share the buffer")
     state = {f"w{i}": torch.randn(4 << 20) for i in range(4)}  # 64 MiB
     ck = Checkpointer(tmp_path, distributed=False)
     try:
