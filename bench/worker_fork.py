@@ -42,24 +42,29 @@ def main() -> None:
         raise SystemExit(f"madvise(MADV_KEEPONFORK): {os.strerror(ctypes.get_errno())}")
     steps = iter(range(1, 10**6))
 
+    def timed_save(c: Checkpointer) -> float:
+        t0 = time.perf_counter()
+        handle = c.save_async(state, next(steps))
+        stall = time.perf_counter() - t0
+        handle.wait()
+        return stall
+
     def save(c: Checkpointer, child: bool) -> Callable[[], float]:
         def run() -> float:
-            release, wait = None, None
-            if child:
-                wait, release = os.pipe()
-                if os.fork() == 0:  # the worker: alive until the save has returned
-                    os.read(wait, 1)
-                    os._exit(0)
-            t0 = time.perf_counter()
-            handle = c.save_async(state, next(steps))
-            stall = time.perf_counter() - t0
-            if release is not None and wait is not None:
+            if not child:
+                return timed_save(c)
+            wait, release = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the worker: alive until the save has returned
+                os.read(wait, 1)
+                os._exit(0)
+            try:
+                return timed_save(c)
+            finally:
                 os.write(release, b"x")
-                os.wait()
+                os.waitpid(pid, 0)
                 os.close(release)
                 os.close(wait)
-            handle.wait()
-            return stall
 
         return run
 
