@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the test suite drives for real: Slurm and munge,
-# XFS with project quotas, FUSE, and Prometheus with node_exporter.
+# XFS with project quotas, FUSE, and Prometheus with node_exporter; and gcc,
+# which builds the staging copy's C loop that the suite checks is in use.
 # Idempotent: skips apt entirely when everything is already present.
 set -euo pipefail
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
