@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 
 from slurm_ckpt import Checkpointer
+from slurm_ckpt.bench.run import packed_pieces
 from slurm_ckpt.bench.state import flatten, synthetic_state
 from slurm_ckpt.config import parse_size
 from slurm_ckpt.engine.buffers import address_of, aligned_buffer
@@ -55,8 +56,7 @@ def main() -> None:
     args = ap.parse_args()
     state = synthetic_state(parse_size(args.size))
     tensors = list(flatten(state).values())
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    total, threads = sum(sizes), copy_threads()
+    total, threads = sum(t.numel() * t.element_size() for t in tensors), copy_threads()
     src, dst = aligned_buffer(total), aligned_buffer(total)
     staging = Staging()
 
@@ -64,14 +64,7 @@ def main() -> None:
         return lambda: copy_bytes([(address_of(dst), address_of(src), total)], threads=threads, libc=libc)
 
     def each(libc: bool) -> Callable[[], None]:
-        def run() -> None:
-            pieces, off = [], address_of(dst)
-            for t, n in zip(tensors, sizes, strict=True):
-                pieces.append((off, int(t.data_ptr()), n))
-                off += n
-            copy_bytes(pieces, threads=threads, libc=libc)
-
-        return run
+        return lambda: copy_bytes(packed_pieces(tensors, address_of(dst)), threads=threads, libc=libc)
 
     def capture() -> None:
         staging.capture(encode_state(state).tensors)

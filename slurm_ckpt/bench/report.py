@@ -9,6 +9,8 @@ from typing import Any
 
 __all__ = ["format_table", "plot"]
 
+_NAME = 41  # the width of the ASYNC table's name column: its longest memcpy line fits
+
 
 def _by(results: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [r for r in results if r["kind"] == kind]
@@ -68,16 +70,16 @@ def format_table(doc: dict[str, Any]) -> str:
     floor = _floor(results)
     lines += ["", "ASYNC (stall: save_async returns; x memcpy: x the faster memcpy floor; durable: committed; "
               "staging: reused buffer / state)",
-              f"  {'mode':<41} {'stall s':>9} {'x memcpy':>9} {'x sync':>7} {'+fence s':>9} {'durable s':>10} "
+              f"  {'mode':<{_NAME}} {'stall s':>9} {'x memcpy':>9} {'x sync':>7} {'+fence s':>9} {'durable s':>10} "
               f"{'GB/s':>7} {'staging':>8}"]  # fmt: skip
     for r in _by(results, "async"):
         dur = _med(r, "durable")
         name = f"{r['name']} ({info['auto_chose']})" if r["name"].endswith(" auto") and "auto_chose" in info else r["name"]
-        lines.append(f"  {name:<41} {r['median']:9.4f} {r['median'] / floor:9.2f} {r['median'] / sync:7.3f} "
+        lines.append(f"  {name:<{_NAME}} {r['median']:9.4f} {r['median'] / floor:9.2f} {r['median'] / sync:7.3f} "
                      f"{_med(r, 'stall_with_fence'):9.4f} {dur:10.3f} {r['nbytes'] / dur / 1e9:7.2f} "
                      f"{_med(r, 'staging_bytes') / r['nbytes']:8.2f}")  # fmt: skip
     for r in _by(results, "memcpy"):  # the floors, and the tensors copied one by one
-        lines.append(f"  {r['name']:<41} {r['median']:9.4f} {r['median'] / floor:9.2f} {r['median'] / sync:7.3f}")
+        lines.append(f"  {r['name']:<{_NAME}} {r['median']:9.4f} {r['median'] / floor:9.2f} {r['median'] / sync:7.3f}")
     auto = next((r["median"] for r in _by(results, "async") if r["name"].endswith(" auto")), None)
     each = next((r["median"] for r in _by(results, "memcpy") if r["name"].startswith("memcpy of each")), None)
     if auto is not None and each is not None:

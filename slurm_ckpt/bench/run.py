@@ -11,21 +11,21 @@ import shutil
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from ..checkpointer import Checkpointer
 from ..config import SNAPSHOTS, EngineConfig, load_config
 from ..engine.buffers import address_of, aligned_buffer
-from ..engine.memcopy import copy_bytes, copy_threads, nontemporal
+from ..engine.memcopy import Piece, copy_bytes, copy_threads, nontemporal
 from ..engine.staging import Staging
 from .disk import Raw, drop_cache
 from .peers import dcp_load, dcp_save, st_load, st_save, torch_save
 from .scripts import remove_steps, training_step
 from .state import flatten, map_tensors, small_state, state_nbytes, synthetic_state
 
-__all__ = ["FLOOR", "Result", "run_bench", "shuffled"]
+__all__ = ["FLOOR", "Result", "packed_pieces", "run_bench", "shuffled"]
 
 Progress = Callable[[str], None]
 Tick = Callable[..., None]
@@ -247,12 +247,7 @@ def _memcpy_floors(raw: Raw, flat: dict[str, Any]) -> list[tuple[str, Callable[[
         copy_bytes([(address_of(dst), address_of(raw.buf), raw.nbytes)], threads=n, libc=True)
 
     def tensors(libc: bool) -> None:
-        pieces, off = [], address_of(dst)
-        for t in flat.values():
-            n = t.numel() * t.element_size()
-            pieces.append((off, int(t.data_ptr()), n))
-            off += n
-        copy_bytes(pieces, threads=threads, libc=libc)
+        copy_bytes(packed_pieces(flat.values(), address_of(dst)), threads=threads, libc=libc)
 
     floors: list[tuple[str, Callable[[], None]]] = [(f"{FLOOR}, 1 thread", functools.partial(copy, 1))]
     if threads > 1:
@@ -262,6 +257,17 @@ def _memcpy_floors(raw: Raw, flat: dict[str, Any]) -> list[tuple[str, Callable[[
     if nontemporal():
         floors.append((f"streaming copy of each tensor, {on}", functools.partial(tensors, False)))
     return floors
+
+
+def packed_pieces(tensors: Iterable[Any], base: int) -> list[Piece]:
+    """One piece per contiguous CPU tensor, to consecutive addresses from ``base``:
+    the state's tensors copied once each, as a file image lays them out."""
+    pieces, off = [], base
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        pieces.append((off, int(t.data_ptr()), n))
+        off += n
+    return pieces
 
 
 def _memcpy_run(fn: Callable[[], None], result: Result, name: str, tick: Tick, r: int) -> None:
