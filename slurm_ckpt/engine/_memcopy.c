@@ -50,24 +50,57 @@ static void stream(char *dst, const char *src, size_t len) {
 }
 #endif
 
+/* One piece: through the cache if it is short, else streamed. */
+static void copy_one(char *dst, const char *src, size_t len) {
+#if NONTEMPORAL
+    if (len >= STREAM_MIN) {
+        stream(dst, src, len);
+        return;
+    }
+#endif
+    memcpy(dst, src, len);
+}
+
+/* Non-temporal stores are weakly ordered: fence them before the caller
+ * hands the buffer to another thread or to a device. */
+static void fence(void) {
+#if NONTEMPORAL
+    _mm_sfence();
+#endif
+}
+
 /* Copy every piece; those of STREAM_MIN bytes or more bypass the cache.
  * On return every byte is visible to other threads and to devices. */
 void sckpt_copy(const struct piece *pieces, size_t count) {
-    for (size_t i = 0; i < count; i++) {
-        char *dst = (char *)(uintptr_t)pieces[i].dst;
-        const char *src = (const char *)(uintptr_t)pieces[i].src;
-        size_t len = (size_t)pieces[i].len;
-#if NONTEMPORAL
-        if (len >= STREAM_MIN) {
-            stream(dst, src, len);
-            continue;
+    for (size_t i = 0; i < count; i++)
+        copy_one((char *)(uintptr_t)pieces[i].dst, (const char *)(uintptr_t)pieces[i].src, (size_t)pieces[i].len);
+    fence();
+}
+
+/* The same copy, shared by every thread that calls this with the same
+ * arguments: the pieces, end to end, are one run of bytes cut into chunks of
+ * `chunk` bytes, and each thread copies whichever chunk nobody has claimed
+ * yet (`*cursor`, zero at the start, counts the bytes claimed). A thread that
+ * starts late or runs slow copies fewer chunks, so all of them finish within
+ * about a chunk's copy of one another, where an even split in advance makes
+ * the trainer wait for the slowest. */
+void sckpt_copy_shared(const struct piece *pieces, size_t count, uint64_t *cursor, uint64_t chunk) {
+    size_t i = 0;     /* the piece that holds the claimed chunk's first byte */
+    uint64_t at = 0;  /* where piece i starts in the run */
+    for (;;) {
+        uint64_t lo = __atomic_fetch_add(cursor, chunk, __ATOMIC_RELAXED);
+        uint64_t hi = lo + chunk;
+        while (i < count && at + pieces[i].len <= lo) /* claims only grow: never look back */
+            at += pieces[i++].len;
+        if (i == count)
+            break;
+        uint64_t k_at = at;
+        for (size_t k = i; k < count && k_at < hi; k_at += pieces[k++].len) {
+            uint64_t from = lo > k_at ? lo - k_at : 0;
+            uint64_t to = hi - k_at < pieces[k].len ? hi - k_at : pieces[k].len;
+            copy_one((char *)(uintptr_t)(pieces[k].dst + from), (const char *)(uintptr_t)(pieces[k].src + from),
+                     (size_t)(to - from));
         }
-#endif
-        memcpy(dst, src, len);
     }
-#if NONTEMPORAL
-    /* Non-temporal stores are weakly ordered: fence them before the caller
-     * hands the buffer to another thread or to the disk. */
-    _mm_sfence();
-#endif
+    fence();
 }

@@ -17,10 +17,13 @@ things decide how long the trainer waits:
   and loaded here with ctypes; without it every piece goes through
   ``ctypes.memmove`` (:func:`nontemporal` says which).
 * **The threads.** A few cores' copies fill the bandwidth, and both ways of
-  calling C here release the GIL, so the bytes are split evenly over
+  calling C here release the GIL, so the bytes are shared among
   :func:`copy_threads` threads instead of each tensor being handed to torch's
   intra-op threads in turn, which wait for one another at the end of every
-  tensor and lose most when other processes share the cores.
+  tensor and lose most when other processes share the cores. The native copy
+  hands the bytes out 2 MiB at a time to whichever thread asks first: on
+  shared cores the threads of one copy do not run at the same speed, and with
+  shares fixed in advance the trainer waits for the slowest.
 
 The pieces must not overlap one another's destinations or a destination its
 source.
@@ -46,6 +49,7 @@ Piece = tuple[int, int, int]
 """(destination address, source address, bytes) of one copy."""
 
 _SPLIT = 8 << 20  # below this, one thread copies it all: waking others costs more
+_CHUNK = 2 << 20  # what a thread of the native copy takes at a time: a huge page
 
 
 def _load_native() -> ctypes.CDLL | None:
@@ -57,11 +61,12 @@ def _load_native() -> ctypes.CDLL | None:
         try:
             lib = ctypes.CDLL(str(path))
             lib.sckpt_copy.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            lib.sckpt_copy_shared.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64]
             lib.sckpt_nontemporal.argtypes = []
         except (OSError, AttributeError) as e:  # unloadable, or built from another version
             log.warning("cannot use %s (%s); staging copies use memmove", path.name, e)
             return None
-        lib.sckpt_copy.restype = None
+        lib.sckpt_copy.restype = lib.sckpt_copy_shared.restype = None
         lib.sckpt_nontemporal.restype = ctypes.c_int
         return lib
     return None
@@ -89,17 +94,37 @@ def copy_threads() -> int:
 
 
 def copy_bytes(pieces: Sequence[Piece], *, threads: int = 1, libc: bool = False) -> None:
-    """Copy every piece, the bytes split evenly over ``threads`` threads (this one included).
+    """Copy every piece, the bytes split over ``threads`` threads (this one included).
 
-    ``libc``: one ``memmove`` per piece, through the cache, whether or not the
-    native copy is built (the bench's floor).
+    The native copy hands out the bytes a chunk at a time to whichever thread
+    asks first; ``memmove`` splits them evenly in advance. ``libc``: one
+    ``memmove`` per piece, through the cache, whether or not the native copy
+    is built (the bench's floor).
     """
-    copy = _memmove_all if libc or _native is None else _stream_all
-    total = sum(n for _, _, n in pieces)
-    if threads <= 1 or total < _SPLIT:
-        copy(pieces)
+    if sum(n for _, _, n in pieces) < _SPLIT:
+        threads = 1
+    if libc or _native is None:
+        _memmove_split(pieces, threads)
         return
-    share = -(-total // threads)
+    flat = array.array("Q", [v for piece in pieces for v in piece])  # struct piece[] in C
+    if threads <= 1:
+        _native.sckpt_copy(flat.buffer_info()[0], len(pieces))
+        return
+    cursor = ctypes.c_uint64(0)
+    args = (flat.buffer_info()[0], len(pieces), ctypes.byref(cursor), _CHUNK)
+    pool = _thread_pool(threads - 1)
+    futures = [pool.submit(_native.sckpt_copy_shared, *args) for _ in range(threads - 1)]
+    _native.sckpt_copy_shared(*args)  # a ctypes foreign call: it releases the GIL
+    for f in futures:
+        f.result()
+
+
+def _memmove_split(pieces: Sequence[Piece], threads: int) -> None:
+    """One ``memmove`` per piece, the bytes split evenly over ``threads`` threads."""
+    if threads <= 1:
+        _memmove_all(pieces)
+        return
+    share = -(-sum(n for _, _, n in pieces) // threads)
     share += -share % 4096  # cut at page boundaries of the buffer
     shares: list[list[Piece]] = [[]]
     room = share
@@ -112,8 +137,8 @@ def copy_bytes(pieces: Sequence[Piece], *, threads: int = 1, libc: bool = False)
                 shares.append([])
                 room = share
     pool = _thread_pool(threads - 1)
-    futures = [pool.submit(copy, part) for part in shares[1:] if part]
-    copy(shares[0])
+    futures = [pool.submit(_memmove_all, part) for part in shares[1:] if part]
+    _memmove_all(shares[0])
     for f in futures:
         f.result()
 
@@ -122,12 +147,6 @@ def _memmove_all(pieces: Sequence[Piece]) -> None:
     move = ctypes.memmove  # a ctypes foreign call: it releases the GIL
     for dst, src, n in pieces:
         move(dst, src, n)
-
-
-def _stream_all(pieces: Sequence[Piece]) -> None:
-    assert _native is not None
-    flat = array.array("Q", [v for piece in pieces for v in piece])  # struct piece[] in C
-    _native.sckpt_copy(flat.buffer_info()[0], len(pieces))
 
 
 _pool: ThreadPoolExecutor | None = None

@@ -10,6 +10,8 @@ guard bytes that must stay as they were.
 
 from __future__ import annotations
 
+import array
+import ctypes
 import platform
 from unittest import mock
 
@@ -59,8 +61,11 @@ _EDGE = [0, 1, 63, 64, 65, 4032, 4095, 4096, 4097, 4159, 4160, 8191, 65_536 + 37
                   st.integers(0, 127)),  # source offset
         min_size=1, max_size=12),
     threads=st.sampled_from([1, 2, 3]),
+    chunk=st.sampled_from([1, 63, 64, 4096, 4097, 2 << 20]),
 )  # fmt: skip
-def test_every_piece_lands_whole_between_untouched_guards(pieces: list[tuple[int, int, int]], threads: int) -> None:
+def test_every_piece_lands_whole_between_untouched_guards(
+    pieces: list[tuple[int, int, int]], threads: int, chunk: int
+) -> None:
     g = torch.Generator().manual_seed(len(pieces))
     src = torch.randint(0, 256, (sum(n + s for n, _, s in pieces) + 64,), dtype=torch.uint8, generator=g)
     pad = 192  # guards before and after every destination
@@ -77,9 +82,9 @@ def test_every_piece_lands_whole_between_untouched_guards(pieces: list[tuple[int
     expect = torch.full_like(dst, GUARD)
     for d, s, n in want:
         expect[d : d + n] = src[s : s + n]
-    # Split over the threads however small the copy, so that shares end inside
-    # pieces at any alignment.
-    with mock.patch.object(memcopy, "_SPLIT", 0):
+    # Split over the threads however small the copy, in chunks that end inside
+    # pieces at any alignment and span several small ones.
+    with mock.patch.object(memcopy, "_SPLIT", 0), mock.patch.object(memcopy, "_CHUNK", chunk):
         copy_bytes(jobs, threads=threads)
     assert torch.equal(dst, expect)
 
@@ -92,3 +97,29 @@ def test_the_copy_is_exact_when_the_bytes_are_every_value() -> None:
     copy_bytes([(dst.data_ptr() + 63, src.data_ptr(), src.numel())])
     assert torch.equal(dst[63 : 63 + src.numel()], src)
     assert not dst[:63].any() and not dst[63 + src.numel() :].any()
+
+
+def test_a_shared_copy_hands_out_each_chunk_once_whoever_asks() -> None:
+    # The threads of one copy share a cursor of the bytes claimed: a thread
+    # copies exactly the chunks it claims, so one that comes after the first
+    # 2 chunks were taken leaves them alone, copies the rest, and one that
+    # comes after every chunk was taken copies nothing.
+    if memcopy._native is None:
+        pytest.skip("the native copy is not built")
+    src = torch.arange(3 * 4096 + 5, dtype=torch.int64).to(torch.uint8).add_(1)  # no zeros
+    dst = torch.zeros_like(src)
+    pieces = [(dst.data_ptr(), src.data_ptr(), 4096 + 1), (dst.data_ptr() + 4097, src.data_ptr() + 4097, 2 * 4096 + 4)]
+    flat = array.array("Q", [v for p in pieces for v in p])
+
+    def claim_rest(cursor: ctypes.c_uint64) -> None:
+        memcopy._native.sckpt_copy_shared(flat.buffer_info()[0], len(pieces), ctypes.byref(cursor), 1000)
+
+    taken = ctypes.c_uint64(2000)
+    claim_rest(taken)
+    assert not dst[:2000].any() and torch.equal(dst[2000:], src[2000:])
+    assert taken.value >= src.numel()  # every chunk claimed
+    claim_rest(ctypes.c_uint64(0))
+    assert torch.equal(dst, src)
+    src.add_(1)
+    claim_rest(taken)
+    assert torch.equal(dst, src - 1)  # nothing left to claim
