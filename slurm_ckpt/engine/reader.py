@@ -131,7 +131,7 @@ def _targets(path: Path, layout: list[_Entry], into: Mapping[str, Any]) -> dict[
 
 def _in_place(t: Any) -> bool:
     """Whether the reader may write ``t``'s memory directly."""
-    return t.device.type == "cpu" and t.is_contiguous() and t.numel() * t.element_size() >= _BIG
+    return t.is_cpu and t.is_contiguous() and t.numel() * t.element_size() >= _BIG
 
 
 _Entry = tuple[str, Any, list[int], int, int]

@@ -202,7 +202,7 @@ def copy_pairs(pairs: Sequence[Pair], streams: dict[Any, Any] | None = None, *, 
 
 def _plain_cpu(t: Any) -> bool:
     """Whether ``t``'s bytes, as they lie in memory, are its values in its dtype."""
-    return bool(t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg())
+    return bool(t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg())
 
 
 def _pin(addr: int, nbytes: int) -> bool:

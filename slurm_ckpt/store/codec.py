@@ -43,6 +43,7 @@ import base64
 import functools
 import math
 import pickle
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -142,13 +143,11 @@ def path_parts(path: str) -> list[str]:
 
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing torch.distributed)."""
-    import sys
-
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(t, mod.DTensor)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Leaf:
     """A tensor object of the state and the tag object that stands for it in the tree."""
 
@@ -161,7 +160,7 @@ class _Leaf:
 
 def _is_whole(t: Any, nbytes: int) -> bool:
     """Whether ``t`` is all of its storage, in order: its bytes are the storage's bytes."""
-    if t.storage_offset() or t.numel() * t.element_size() != nbytes or not t.is_contiguous():
+    if t.storage_offset() or t.nbytes != nbytes or not t.is_contiguous():
         return False
     # is_contiguous() ignores the strides of dims of size 0 and 1; torch.load does not.
     shape = t.shape
@@ -170,7 +169,7 @@ def _is_whole(t: Any, nbytes: int) -> bool:
 
 def _plain(t: Any) -> bool:
     """A tensor ``{"$t": key}`` says all about: a plain CPU tensor that needs no grad."""
-    return type(t) is _torch().Tensor and not t.requires_grad and t.device.type == "cpu"
+    return type(t) is _torch().Tensor and not t.requires_grad and t.is_cpu
 
 
 def encode_state(
@@ -191,6 +190,8 @@ def encode_state(
     to it by: the sharded path (``slurm_ckpt.sharded``) stores them itself.
     """
     out = EncodedState(tree=None)
+    torch_mod = sys.modules.get("torch")  # no tensor without it
+    tensor_type, strided = (torch_mod.Tensor, torch_mod.strided) if torch_mod is not None else (None, None)
     memo: dict[int, dict[str, Any]] = {}  # id(tensor or array) -> its tag object
     storages: dict[int, list[_Leaf]] = {}  # storage -> the tensors on it, in order
     # safetensors reserves "__metadata__" for its own header entry.
@@ -210,7 +211,7 @@ def encode_state(
     def tensor_ref(t: Any, path: str) -> dict[str, Any]:
         if refer is not None:
             return {"$t": refer(t, path)}
-        if is_dtensor(t):
+        if type(t) is not tensor_type and is_dtensor(t):
             # Its storage is a wrapper with no data of its own, and its local shard
             # alone would be saved as if it were the whole tensor.
             raise UnsupportedValue(
@@ -247,6 +248,8 @@ def encode_state(
         return ref
 
     def enc(obj: Any, path: str) -> Any:
+        if type(obj) is tensor_type and obj.layout is strided:  # the common leaf, first
+            return tensor_ref(obj, path)
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if isinstance(obj, int):

@@ -192,6 +192,17 @@ def test_arbitrary_objects_need_allow_pickle(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("step-*")), "a refused save must not commit anything"
 
 
+@pytest.mark.parametrize("make", [lambda t: t.to_sparse(), lambda t: t.to_sparse_csr()], ids=["coo", "csr"])
+def test_a_sparse_tensor_is_refused_with_the_fix_named(tmp_path: Path, make: Any) -> None:
+    # A plain torch.Tensor by type, so the encoder's first check for the
+    # common case must look at its layout too.
+    sparse = make(torch.eye(3))
+    assert type(sparse) is torch.Tensor
+    with Checkpointer(tmp_path) as ck, pytest.raises(UnsupportedValue, match=r"/w: sparse .*to_dense"):
+        ck.save({"w": sparse, "b": torch.ones(2)}, step=1)
+    assert not list(tmp_path.glob("step-*"))
+
+
 def test_pickled_objects_load_only_when_trusted(tmp_path: Path) -> None:
     with Checkpointer(tmp_path, allow_pickle=True) as ck:
         ck.save({"obj": Opaque(7), "w": torch.ones(2)}, step=1)
