@@ -23,7 +23,8 @@ struct piece {
     uint64_t dst, src, len;
 };
 
-/* Below this a piece is copied through the cache: too short for whole lines to pay. */
+/* Below this a piece (or the part of one in a claimed chunk) is copied through
+ * the cache: too short for whole lines to pay. */
 enum { STREAM_MIN = 4096 };
 /* stream() copies up to 63 bytes before its first whole line. */
 _Static_assert(STREAM_MIN >= 64, "stream() needs at least a line");
@@ -85,6 +86,8 @@ void sckpt_copy(const struct piece *pieces, size_t count) {
  * about a chunk's copy of one another, where an even split in advance makes
  * the trainer wait for the slowest. */
 void sckpt_copy_shared(const struct piece *pieces, size_t count, uint64_t *cursor, uint64_t chunk) {
+    if (chunk == 0) /* no chunk would ever reach the end */
+        chunk = 1;
     size_t i = 0;     /* the piece that holds the claimed chunk's first byte */
     uint64_t at = 0;  /* where piece i starts in the run */
     for (;;) {

@@ -32,13 +32,14 @@ source.
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import importlib.machinery
 import logging
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 __all__ = ["Piece", "copy_bytes", "copy_threads", "nontemporal"]
@@ -49,7 +50,9 @@ Piece = tuple[int, int, int]
 """(destination address, source address, bytes) of one copy."""
 
 _SPLIT = 8 << 20  # below this, one thread copies it all: waking others costs more
-_CHUNK = 2 << 20  # what a thread of the native copy takes at a time: a huge page
+# What a thread of the native copy claims at a time: small enough that the
+# threads finish close together, large enough that claiming costs nothing.
+_CHUNK = 2 << 20
 
 
 def _load_native() -> ctypes.CDLL | None:
@@ -113,8 +116,17 @@ def copy_bytes(pieces: Sequence[Piece], *, threads: int = 1, libc: bool = False)
     cursor = ctypes.c_uint64(0)
     args = (flat.buffer_info()[0], len(pieces), ctypes.byref(cursor), _CHUNK)
     pool = _thread_pool(threads - 1)
-    futures = [pool.submit(_native.sckpt_copy_shared, *args) for _ in range(threads - 1)]
-    _native.sckpt_copy_shared(*args)  # a ctypes foreign call: it releases the GIL
+    futures: list[Future[None]] = []
+    with contextlib.suppress(RuntimeError):  # a pool shut down (interpreter exit): copy alone
+        for _ in range(threads - 1):
+            futures.append(pool.submit(_native.sckpt_copy_shared, *args))
+    try:
+        _native.sckpt_copy_shared(*args)  # a ctypes foreign call: it releases the GIL
+    finally:
+        # Every chunk is claimed once this call returns, but a helper may still be
+        # copying its last one: it reads ``flat`` and writes the caller's buffer,
+        # so neither may go before it is done, even if this thread is interrupted.
+        wait(futures)
     for f in futures:
         f.result()
 

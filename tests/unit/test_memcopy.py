@@ -13,6 +13,7 @@ from __future__ import annotations
 import array
 import ctypes
 import platform
+import threading
 from unittest import mock
 
 import pytest
@@ -106,7 +107,7 @@ def test_a_shared_copy_hands_out_each_chunk_once_whoever_asks() -> None:
     # comes after every chunk was taken copies nothing.
     if memcopy._native is None:
         pytest.skip("the native copy is not built")
-    src = torch.arange(3 * 4096 + 5, dtype=torch.int64).to(torch.uint8).add_(1)  # no zeros
+    src = (torch.arange(3 * 4096 + 5) % 250 + 1).to(torch.uint8)  # 1 to 250: no zeros, room to add 1
     dst = torch.zeros_like(src)
     pieces = [(dst.data_ptr(), src.data_ptr(), 4096 + 1), (dst.data_ptr() + 4097, src.data_ptr() + 4097, 2 * 4096 + 4)]
     flat = array.array("Q", [v for p in pieces for v in p])
@@ -123,3 +124,37 @@ def test_a_shared_copy_hands_out_each_chunk_once_whoever_asks() -> None:
     src.add_(1)
     claim_rest(taken)
     assert torch.equal(dst, src - 1)  # nothing left to claim
+
+
+def test_an_interrupted_copy_lets_go_of_the_buffers_only_after_its_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A helper thread copies out of the piece table and into the caller's
+    # buffer until its last chunk is done: if the calling thread's own share
+    # is interrupted, copy_bytes must still wait for the helpers before it
+    # raises, or the caller frees memory a helper is writing.
+    started, proceed, helper_done = threading.Event(), threading.Event(), threading.Event()
+    outcome: dict[str, bool] = {}
+
+    class Native:
+        def sckpt_copy_shared(self, *args: object) -> None:
+            if threading.current_thread() is caller:
+                started.wait()
+                raise KeyboardInterrupt  # as a signal handler would, once the foreign call returns
+            started.set()
+            proceed.wait()
+            helper_done.set()
+
+    def run() -> None:
+        try:
+            copy_bytes([(0, 0, 64 << 20)], threads=2)
+        except KeyboardInterrupt:
+            outcome["helper done when it raised"] = helper_done.is_set()
+
+    monkeypatch.setattr(memcopy, "_native", Native())
+    caller = threading.Thread(target=run)
+    caller.start()
+    caller.join(timeout=0.5)
+    still_waiting = caller.is_alive()
+    proceed.set()
+    caller.join()
+    assert still_waiting, "copy_bytes raised while a helper was still copying"
+    assert outcome == {"helper done when it raised": True}
