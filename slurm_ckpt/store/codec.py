@@ -191,7 +191,7 @@ def encode_state(
     """
     out = EncodedState(tree=None)
     torch_mod = sys.modules.get("torch")  # no tensor without it
-    tensor_type, strided = (torch_mod.Tensor, torch_mod.strided) if torch_mod is not None else (None, None)
+    tensor_type, strided = getattr(torch_mod, "Tensor", None), getattr(torch_mod, "strided", None)
     memo: dict[int, dict[str, Any]] = {}  # id(tensor or array) -> its tag object
     storages: dict[int, list[_Leaf]] = {}  # storage -> the tensors on it, in order
     # safetensors reserves "__metadata__" for its own header entry.
@@ -339,7 +339,7 @@ def _store(group: list[_Leaf], entry: Callable[[str, Any], None]) -> None:
             continue
         view: dict[str, Any] = {"key": leaf.key, "of": base, "dtype": st_dtype(t.dtype), "shape": list(t.shape),
                                 "stride": list(t.stride()), "offset": int(t.storage_offset())}  # fmt: skip
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             view["device"] = str(t.device)
         if t.requires_grad:
             view["requires_grad"] = True
