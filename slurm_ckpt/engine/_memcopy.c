@@ -62,29 +62,16 @@ static void copy_one(char *dst, const char *src, size_t len) {
     memcpy(dst, src, len);
 }
 
-/* Non-temporal stores are weakly ordered: fence them before the caller
- * hands the buffer to another thread or to a device. */
-static void fence(void) {
-#if NONTEMPORAL
-    _mm_sfence();
-#endif
-}
-
-/* Copy every piece; those of STREAM_MIN bytes or more bypass the cache.
- * On return every byte is visible to other threads and to devices. */
-void sckpt_copy(const struct piece *pieces, size_t count) {
-    for (size_t i = 0; i < count; i++)
-        copy_one((char *)(uintptr_t)pieces[i].dst, (const char *)(uintptr_t)pieces[i].src, (size_t)pieces[i].len);
-    fence();
-}
-
-/* The same copy, shared by every thread that calls this with the same
- * arguments: the pieces, end to end, are one run of bytes cut into chunks of
- * `chunk` bytes, and each thread copies whichever chunk nobody has claimed
- * yet (`*cursor`, zero at the start, counts the bytes claimed). A thread that
- * starts late or runs slow copies fewer chunks, so all of them finish within
- * about a chunk's copy of one another, where an even split in advance makes
- * the trainer wait for the slowest. */
+/* Copy every piece; those of STREAM_MIN bytes or more bypass the cache. On
+ * return, this thread's bytes are visible to other threads and to devices.
+ *
+ * Every thread that calls this with the same arguments shares the copy (one
+ * alone copies it all): the pieces, end to end, are one run of bytes cut into
+ * chunks of `chunk` bytes, and each thread copies whichever chunk nobody has
+ * claimed yet (`*cursor`, zero at the start, counts the bytes claimed). A
+ * thread that starts late or runs slow copies fewer chunks, so all of them
+ * finish within about a chunk's copy of one another, where an even split in
+ * advance makes the trainer wait for the slowest. */
 void sckpt_copy_shared(const struct piece *pieces, size_t count, uint64_t *cursor, uint64_t chunk) {
     if (chunk == 0) /* no chunk would ever reach the end */
         chunk = 1;
@@ -105,5 +92,9 @@ void sckpt_copy_shared(const struct piece *pieces, size_t count, uint64_t *curso
                      (size_t)(to - from));
         }
     }
-    fence();
+#if NONTEMPORAL
+    /* Non-temporal stores are weakly ordered: fence them before the caller
+     * hands the buffer to another thread or to a device. */
+    _mm_sfence();
+#endif
 }

@@ -63,13 +63,12 @@ def _load_native() -> ctypes.CDLL | None:
             continue
         try:
             lib = ctypes.CDLL(str(path))
-            lib.sckpt_copy.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
             lib.sckpt_copy_shared.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64]
             lib.sckpt_nontemporal.argtypes = []
         except (OSError, AttributeError) as e:  # unloadable, or built from another version
             log.warning("cannot use %s (%s); staging copies use memmove", path.name, e)
             return None
-        lib.sckpt_copy.restype = lib.sckpt_copy_shared.restype = None
+        lib.sckpt_copy_shared.restype = None
         lib.sckpt_nontemporal.restype = ctypes.c_int
         return lib
     return None
@@ -110,16 +109,12 @@ def copy_bytes(pieces: Sequence[Piece], *, threads: int = 1, libc: bool = False)
         _memmove_split(pieces, threads)
         return
     flat = array.array("Q", [v for piece in pieces for v in piece])  # struct piece[] in C
-    if threads <= 1:
-        _native.sckpt_copy(flat.buffer_info()[0], len(pieces))
-        return
     cursor = ctypes.c_uint64(0)
     args = (flat.buffer_info()[0], len(pieces), ctypes.byref(cursor), _CHUNK)
-    pool = _thread_pool(threads - 1)
     futures: list[Future[None]] = []
     with contextlib.suppress(RuntimeError):  # a pool shut down (interpreter exit): copy alone
         for _ in range(threads - 1):
-            futures.append(pool.submit(_native.sckpt_copy_shared, *args))
+            futures.append(_thread_pool(threads - 1).submit(_native.sckpt_copy_shared, *args))
     try:
         _native.sckpt_copy_shared(*args)  # a ctypes foreign call: it releases the GIL
     finally:
