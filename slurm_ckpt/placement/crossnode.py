@@ -195,6 +195,10 @@ class CrossNode:
     def _stage(self, item: _Item) -> tuple[Path, Path | None]:
         staged = sh.stage_shard(item.shard, self.durable.path, keep=self.keep)
         done = sh.complete(self.durable.path, item.step, item.save_id, self.world, keep=self.keep, by="drain")
+        try:  # shards kept only while they were being staged can go now
+            self.retain(protect=[])
+        except OSError as e:  # the shard is staged: a failed delete must not undo it
+            log.warning("shard of step %d staged, but retention on scratch failed: %s", item.step, e)
         return staged, done
 
     def _done(self, item: _Item, result: tuple[Path, Path | None]) -> None:

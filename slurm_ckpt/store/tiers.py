@@ -215,7 +215,17 @@ class Tiers:
         dst = pruned_once(lambda: retry_call(lambda: copy_checkpoint(src, self.durable.path), self._policy, what),
                           lambda: prune_for_space(self.durable.path, self.keep), what)  # fmt: skip
         self.durable.retain(self.keep, protect=[dst])
+        self._trim_fast()
         return dst
+
+    def _trim_fast(self) -> None:
+        # A save's own retention keeps a checkpoint still being copied, so the
+        # fast tier can hold more than ``keep`` until a copy ends. Trim it then,
+        # not only at the next save: scratch is the job's reserved space.
+        try:
+            self.fast.retain(self.keep, protect=self.protected())
+        except OSError as e:  # the copy is done: a failed delete must not undo it
+            log.warning("checkpoint copied, but retention on %s failed: %s", self.fast.path, e)
 
     def _report_lag(self) -> None:
         # Called with the lock held.

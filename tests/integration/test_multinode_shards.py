@@ -85,6 +85,17 @@ def _manifest(path: Path) -> Any:
     return verify_checkpoint(path, full=True)
 
 
+def test_scratch_is_back_to_keep_once_the_blocked_drain_ends(main: dict[str, Any]) -> None:
+    """A shard being staged is kept on scratch beyond ``keep``; when its copy ends it goes."""
+    for r in range(WORLD):
+        got = main["ranks"][r]["trim"]
+        # The shard in the drain's hands (1, or 2 if it was picked up late) and the newest.
+        assert len(got["blocked"]) == 2 and got["blocked"][1] == "step-000000003", got
+        assert got["drained"] is True
+        assert got["after"] == ["step-000000003"], got
+        assert got["durable"] == ["step-000000003"], got
+
+
 def test_each_rank_saves_to_its_own_scratch_and_the_drain_assembles_one_checkpoint(
     main: dict[str, Any],
 ) -> None:
@@ -405,13 +416,13 @@ def _state(rank: int, step: int) -> dict[str, Any]:
     return {"w": torch.full((4,), float(rank * 100 + step)), "rank": rank, "step": step}
 
 
-def _ckpt(run: Path, rank: int, *, scratch: bool = True, drain: bool = True) -> Any:
+def _ckpt(run: Path, rank: int, *, scratch: bool = True, drain: bool = True, keep: int = 3) -> Any:
     """A Checkpointer on durable ``run``, with this rank's own scratch ``<run>-scratch<rank>``."""
     from slurm_ckpt import Checkpointer
     from slurm_ckpt.config import Config
 
     cfg = Config()
-    cfg = dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, drain=drain))
+    cfg = dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, drain=drain, keep=keep))
     mine = run.with_name(f"{run.name}-scratch{rank}")
     mine.mkdir(exist_ok=True)
     return Checkpointer(run, config=cfg, scratch=mine if scratch else False)
@@ -546,6 +557,36 @@ def _nodrain(base: Path, rank: int, name: str = "nodrain") -> dict[str, Any]:
     return {"durable_after_wait": durable, "loaded": loaded, "durable_steps": steps}
 
 
+def _trim(base: Path, rank: int) -> dict[str, Any]:
+    """keep=1 while the assembly is blocked, so each rank's drain waits with a shard in hand."""
+    import fcntl
+
+    import torch.distributed as dist
+
+    from slurm_ckpt.store.shards.layout import ASSEMBLY_LOCK
+
+    run = base / "trim"
+    ckpt = _ckpt(run, rank, keep=1)
+    mine = base / f"trim-scratch{rank}" / "ckpt" / f"rank-{rank:05d}"
+    blocker = None
+    if rank == 0:  # a stage-out on another node, holding the assembly lock
+        blocker = open(run / ASSEMBLY_LOCK, "a")  # noqa: SIM115
+        fcntl.flock(blocker, fcntl.LOCK_EX)
+    dist.barrier()
+    for s in (1, 2, 3):
+        ckpt.save(_state(rank, s), step=s)
+    blocked = sorted(p.name for p in mine.glob("step-*"))
+    dist.barrier()
+    if blocker is not None:
+        blocker.close()
+    drained = ckpt.drain(timeout=60)
+    after = sorted(p.name for p in mine.glob("step-*"))
+    dist.barrier()  # both shards staged: the slower rank's drain assembled the checkpoint
+    ckpt.close()
+    return {"blocked": blocked, "drained": drained, "after": after,
+            "durable": sorted(p.name for p in run.glob("step-*"))}  # fmt: skip
+
+
 def _death(base: Path, rank: int) -> dict[str, Any]:
     from slurm_ckpt import Checkpointer
     from slurm_ckpt.config import Config
@@ -594,6 +635,7 @@ PHASES = {
         "corrupt": _corrupt,
         "nodrain": _nodrain,
         "nodrain2": lambda b, r: _nodrain(b, r, "nodrain2"),
+        "trim": _trim,
     },
     "death": {"death": _death},
     "resume": {"resume": _resume},

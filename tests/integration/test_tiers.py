@@ -118,6 +118,7 @@ def test_newest_wins_while_a_copy_is_blocked(
 
     Meanwhile 2, 3, 4 are saved: scratch keeps the one being copied and the
     newest, never deletes either, and once unblocked only the newest is copied.
+    When that copy ends, scratch is back to ``keep`` without another save.
     """
     scratch, durable = dirs
     holder = LockHolder(durable)
@@ -132,7 +133,7 @@ def test_newest_wins_while_a_copy_is_blocked(
             holder.release()  # else close() would wait for the blocked copy
         assert ck.drain(timeout=60)
         assert ck.is_durable(4) and not ck.is_durable(2) and not ck.is_durable(3)
-        assert steps(durable) == [4]
+        assert steps(durable) == [4] and steps(scratch / "ckpt") == [4]
         ck.save(state(5), step=5)
     assert steps(scratch / "ckpt") == [5] and steps(durable) == [5]
 
