@@ -182,11 +182,13 @@ class CrossNode:
     def committed(self, step: int, path: Path) -> None:
         self.retain(protect=[path])
 
-    def retain(self, protect: list[Path]) -> list[Path]:
-        """Retention on this rank's fast-tier dir; shards not yet staged are kept."""
+    def retain(self, protect: list[Path], *, before: float | None = None, later: bool = False) -> list[Path]:
+        """Retention on this rank's fast-tier dir; shards not yet staged are kept
+        (``before`` and ``later``: see ``apply_retention``)."""
         if self.fast is None:
             return []
-        return apply_retention(self.fast.path, self.keep, protect=[*protect, *self.protected()])
+        return apply_retention(self.fast.path, self.keep, protect=[*protect, *self.protected()],
+                               before=before, later=later)  # fmt: skip
 
     def protected(self) -> set[Path]:
         return {i.shard.path for i in self._drainer.in_flight()}
@@ -195,8 +197,8 @@ class CrossNode:
     def _stage(self, item: _Item) -> tuple[Path, Path | None]:
         staged = sh.stage_shard(item.shard, self.durable.path, keep=self.keep)
         done = sh.complete(self.durable.path, item.step, item.save_id, self.world, keep=self.keep, by="drain")
-        try:  # shards kept only while they were being staged can go now
-            self.retain(protect=[])
+        try:  # as Tiers does after a copy (its _trim_fast says why)
+            self.retain(protect=[], before=item.at, later=True)
         except OSError as e:  # the shard is staged: a failed delete must not undo it
             log.warning("shard of step %d staged, but retention on scratch failed: %s", item.step, e)
         return staged, done

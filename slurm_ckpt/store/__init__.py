@@ -99,15 +99,16 @@ class RunDir:
         self.lock()
         return commit(self.path, step, write, **meta)
 
-    def retain(self, keep: int, *, protect: Collection[Path] = ()) -> list[Path]:
-        """Apply retention; ``protect`` (e.g. the checkpoint just committed) is never deleted.
+    def retain(self, keep: int, *, protect: Collection[Path] = (), before: float | None = None) -> list[Path]:
+        """Apply retention; ``protect`` (e.g. the checkpoint just committed) is never
+        deleted, nor anything committed since ``before`` (see ``apply_retention``).
 
         Old checkpoints vanish at once; their files are deleted in the background
         (``retention.reaped()`` waits for that).
         """
         from .retention import apply_retention
 
-        return apply_retention(self.path, keep, protect=protect, later=True)
+        return apply_retention(self.path, keep, protect=protect, before=before, later=True)
 
     def latest(self, *, full: bool = True, skipped: list[Skipped] | None = None) -> Candidate | None:
         from .verify import find_latest

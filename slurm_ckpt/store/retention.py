@@ -30,7 +30,12 @@ ASIDE_SUFFIX = ".old"
 
 
 def apply_retention(
-    run_dir: Path, keep: int, *, protect: Collection[Path] = (), later: bool = False
+    run_dir: Path,
+    keep: int,
+    *,
+    protect: Collection[Path] = (),
+    before: float | None = None,
+    later: bool = False,
 ) -> list[Path]:
     """Delete all but the newest ``keep`` valid checkpoints; return what was deleted.
 
@@ -44,6 +49,11 @@ def apply_retention(
     protected one are neither counted nor deleted: they belong to a run that
     was resumed from an older step, usually because they failed verification,
     and the quick check used here cannot tell a flipped byte from a good one.
+
+    ``before`` (a time): valid checkpoints committed at or after it are kept
+    too, and counted like the protected ones. A drain trimming scratch after a
+    copy passes its item's commit time: a checkpoint committed since may not
+    be in ``protect`` yet.
 
     ``later``: see :func:`discard_checkpoint`.
     """
@@ -60,11 +70,12 @@ def apply_retention(
         if ceiling is not None and step > ceiling:
             continue
         try:
-            verify_checkpoint(path, full=False)
+            committed = verify_checkpoint(path, full=False).time
             valid = True
         except (CheckpointCorrupt, OSError):
             valid = False
-        if valid and kept < keep:
+        newer = valid and before is not None and committed >= before
+        if newer or (valid and kept < keep):
             kept += 1
             continue
         if valid or kept >= keep:

@@ -122,7 +122,7 @@ class Tiers:
         self._undurable_since: list[float] = []
         """Commit times of checkpoints newer than the newest durable one (stage-out lag)."""
         self._drainer: Drainer[_Item] = Drainer(
-            lambda item: self._copy(item.path),
+            self._copy,
             name="slurm-ckpt-drain",
             describe=lambda item: f"copying checkpoint {item.step} ({item.path}) to the durable "
             f"tier {self.durable.path}",
@@ -209,23 +209,25 @@ class Tiers:
         self._durable[item.step] = dst
         self._undurable_since = [t for t in self._undurable_since if t > item.at]
 
-    def _copy(self, src: Path) -> Path:
+    def _copy(self, item: _Item) -> Path:
+        src = item.path
         what = f"copying {src} to {self.durable.path}"
         self.durable.lock()
         dst = pruned_once(lambda: retry_call(lambda: copy_checkpoint(src, self.durable.path), self._policy, what),
                           lambda: prune_for_space(self.durable.path, self.keep), what)  # fmt: skip
         self.durable.retain(self.keep, protect=[dst])
-        self._trim_fast()
+        self._trim_fast(item)
         return dst
 
-    def _trim_fast(self) -> None:
-        # A save's own retention keeps a checkpoint still being copied, so the
-        # fast tier can hold more than ``keep`` until a copy ends. Trim it then,
-        # not only at the next save: scratch is the job's reserved space.
+    def _trim_fast(self, item: _Item) -> None:
+        # A save's retention keeps the checkpoint being copied, so the fast tier
+        # holds more than ``keep`` until the drain has copied a newer one: trim
+        # it then, not only at the next save (scratch is the job's reserved
+        # space). Nothing committed since ``item``: it may not be submitted yet.
         try:
-            self.fast.retain(self.keep, protect=self.protected())
+            self.fast.retain(self.keep, protect=self.protected(), before=item.at)
         except OSError as e:  # the copy is done: a failed delete must not undo it
-            log.warning("checkpoint copied, but retention on %s failed: %s", self.fast.path, e)
+            log.warning("checkpoint %d copied, but retention on %s failed: %s", item.step, self.fast.path, e)
 
     def _report_lag(self) -> None:
         # Called with the lock held.

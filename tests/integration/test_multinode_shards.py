@@ -85,12 +85,12 @@ def _manifest(path: Path) -> Any:
     return verify_checkpoint(path, full=True)
 
 
-def test_scratch_is_back_to_keep_once_the_blocked_drain_ends(main: dict[str, Any]) -> None:
-    """A shard being staged is kept on scratch beyond ``keep``; when its copy ends it goes."""
+def test_scratch_is_back_to_keep_once_the_drain_staged_a_newer_shard(main: dict[str, Any]) -> None:
+    """A shard being staged is kept on scratch beyond ``keep``; it goes once the drain
+    has staged the newer one, with no save after."""
     for r in range(WORLD):
         got = main["ranks"][r]["trim"]
-        # The shard in the drain's hands (1, or 2 if it was picked up late) and the newest.
-        assert len(got["blocked"]) == 2 and got["blocked"][1] == "step-000000003", got
+        assert got["blocked"] == ["step-000000001", "step-000000003"], got  # in the drain's hands, and the newest
         assert got["drained"] is True
         assert got["after"] == ["step-000000003"], got
         assert got["durable"] == ["step-000000003"], got
@@ -573,7 +573,11 @@ def _trim(base: Path, rank: int) -> dict[str, Any]:
         blocker = open(run / ASSEMBLY_LOCK, "a")  # noqa: SIM115
         fcntl.flock(blocker, fcntl.LOCK_EX)
     dist.barrier()
-    for s in (1, 2, 3):
+    drainer = ckpt.placement._drainer
+    ckpt.save(_state(rank, 1), step=1)
+    with drainer.cv:  # the drain holds 1 (waiting for the assembly lock) before 2 and 3 are saved
+        assert drainer.cv.wait_for(lambda: drainer.draining is not None, 60)
+    for s in (2, 3):
         ckpt.save(_state(rank, s), step=s)
     blocked = sorted(p.name for p in mine.glob("step-*"))
     dist.barrier()

@@ -138,6 +138,27 @@ def test_newest_wins_while_a_copy_is_blocked(
     assert steps(scratch / "ckpt") == [5] and steps(durable) == [5]
 
 
+def test_the_trim_after_a_copy_spares_a_checkpoint_committed_since(
+    dirs: tuple[Path, Path], holders: list[LockHolder]
+) -> None:
+    """A run resumed from an older step saves step 5 on scratch while step 10 is being
+    copied. Between a save's commit and its hand-over to the drain, the trim that
+    follows 10's copy must not take 5 for an old checkpoint beyond ``keep``."""
+    scratch, durable = dirs
+    holder = LockHolder(durable)
+    holders.append(holder)
+    with Checkpointer(durable, keep=1, lock_timeout=120) as ck:
+        assert ck.tiers is not None
+        try:
+            ck.save(state(10), step=10)  # its copy waits for the durable dir's lock
+            job = ck.engine.job(state(5))
+            ck.tiers.fast.commit(5, job.write, nbytes=job.nbytes)  # committed, not handed over yet
+        finally:
+            holder.release()
+        assert ck.drain(timeout=60) and ck.is_durable(10)
+        assert steps(scratch / "ckpt") == [5, 10]
+
+
 def test_close_waits_for_the_copy(dirs: tuple[Path, Path]) -> None:
     _, durable = dirs
     ck = Checkpointer(durable)

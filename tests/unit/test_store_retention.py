@@ -84,6 +84,21 @@ def test_protected_checkpoints_survive_and_count(run_dir: Path) -> None:
     assert steps(run_dir) == [2, 4]
 
 
+def test_checkpoints_committed_since_before_survive_and_count(run_dir: Path) -> None:
+    """10 committed, then 5 and 7 (a run resumed from an older step): with ``before``
+    between them, 5 and 7 are kept whatever their step, and 3 (older) is not."""
+    import time
+
+    save_steps(run_dir, [3, 10])
+    since = time.time()
+    save_steps(run_dir, [5, 7])
+    deleted = apply_retention(run_dir, 2, protect=[run_dir / "step-000000010"], before=since)
+    assert [p.name for p in deleted] == ["step-000000003"]
+    assert steps(run_dir) == [5, 7, 10]
+    apply_retention(run_dir, 2, protect=[run_dir / "step-000000010"])
+    assert steps(run_dir) == [7, 10]
+
+
 def test_checkpointer_keeps_k(run_dir: Path) -> None:
     with Checkpointer(run_dir, keep=2) as ck:
         for s in range(1, 6):
