@@ -95,7 +95,8 @@ class Drainer(Generic[T]):
                 self.pending = None
                 if item is None:
                     self._thread = None
-                    self.cv.notify_all()
+                self.cv.notify_all()  # whoever waits on the drain's state: it changed
+                if item is None:
                     return
             try:
                 result = self._copy(item)

@@ -49,3 +49,20 @@ def test_disabled_copies_nothing_but_protects_the_newest() -> None:
     d: Drainer[int] = Drainer(copied.append, name="t", describe=str, enabled=False)
     d.submit(4)
     assert d.drain(1) is False and copied == [] and d.in_flight() == [4]
+
+
+def test_a_waiter_on_cv_hears_when_a_copy_starts() -> None:
+    """The copy's start is a change of state like its end: ``cv`` is notified."""
+    release = threading.Event()
+
+    def copy(item: int) -> None:
+        release.wait(30)
+
+    d: Drainer[int] = Drainer(copy, name="t", describe=str)
+    with d.cv:
+        d.submit(1)  # the thread cannot take the item before wait() releases cv
+        notified = d.cv.wait(10)  # False: only the timeout woke us
+        draining = d.draining
+    release.set()
+    assert d.drain(30)
+    assert notified and draining == 1
