@@ -210,9 +210,16 @@ def main() -> int:
 
 
 def finish(ckpt: Any) -> int:
-    """Close the run dir, then the group; skip the interpreter's teardown (see tests/slurm/trainer.py)."""
+    """Close the run dir, then the group; skip the interpreter's teardown (see tests/slurm/trainer.py).
+
+    The barrier first: rank 0 may still be in its last ``full_tensor()`` (it
+    also writes the outputs) when the others are done, and a rank that exits
+    then can take bytes rank 0 still needs with it ("Connection reset by
+    peer" in rank 0's ``full_tensor``, seen once in CI).
+    """
     if ckpt is not None:
         ckpt.close()
+    dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -50,8 +50,9 @@ def reference(workdir: Path, world: int) -> str:
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r)}, cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(world)]  # fmt: skip
     outputs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, text in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, f"reference run at {world} ranks failed ({p.returncode}):\n{text[-3000:]}"
+    failed = [f"rank {r} exited {p.returncode}:\n{text[-3000:]}" for r, (p, text) in enumerate(zip(procs, outputs, strict=True))
+              if p.returncode != 0]  # fmt: skip
+    assert not failed, f"reference run at {world} ranks failed:\n" + "\n".join(failed)
     steps, w, digest = (out / "done.txt").read_text().split()
     assert (int(steps), int(w)) == (120, world)
     return digest
