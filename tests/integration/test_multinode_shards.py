@@ -7,7 +7,8 @@ each phase runs its scenarios once, and each test checks one scenario from
 the JSON the ranks write. Phases:
 
 * ``main``: saves, drains, resume preference, a rank without scratch, a
-  failing rank, corrupt shards, shards left on scratch with the drain off;
+  failing rank, corrupt shards, shards left on scratch with the drain off,
+  scratch retention while the assembly is blocked;
 * ``death``: rank 1 is SIGKILLed in the middle of a save, after rank 0
   committed its shard on its scratch; the test then runs rank 0's epilog
   stage-out;
@@ -94,6 +95,16 @@ def test_scratch_is_back_to_keep_once_the_drain_staged_a_newer_shard(main: dict[
         assert got["drained"] is True
         assert got["after"] == ["step-000000003"], got
         assert got["durable"] == ["step-000000003"], got
+
+
+def test_the_trim_after_staging_spares_a_shard_committed_since(main: dict[str, Any]) -> None:
+    """Step 5, committed on scratch after step 10 was handed to the drain, is not an old
+    checkpoint beyond ``keep`` to the trim that follows 10's staging."""
+    for r in range(WORLD):
+        got = main["ranks"][r]["backstep"]
+        assert got["drained"] is True
+        assert got["after"] == ["step-000000005", "step-000000010"], got
+        assert got["durable"] == ["step-000000010"], got
 
 
 def test_each_rank_saves_to_its_own_scratch_and_the_drain_assembles_one_checkpoint(
@@ -591,6 +602,39 @@ def _trim(base: Path, rank: int) -> dict[str, Any]:
             "durable": sorted(p.name for p in run.glob("step-*"))}  # fmt: skip
 
 
+def _backstep(base: Path, rank: int) -> dict[str, Any]:
+    """keep=1; step 10's shard is in the drain's hands (the assembly is blocked) when a run
+    resumed from an older step commits step 5 on scratch and has not handed it over yet."""
+    import fcntl
+
+    import torch.distributed as dist
+
+    from slurm_ckpt.store.shards.layout import ASSEMBLY_LOCK
+
+    run = base / "backstep"
+    ckpt = _ckpt(run, rank, keep=1)
+    placement = ckpt.placement
+    mine = base / f"backstep-scratch{rank}" / "ckpt" / f"rank-{rank:05d}"
+    blocker = None
+    if rank == 0:
+        blocker = open(run / ASSEMBLY_LOCK, "a")  # noqa: SIM115
+        fcntl.flock(blocker, fcntl.LOCK_EX)
+    dist.barrier()
+    ckpt.save(_state(rank, 10), step=10)
+    with placement._drainer.cv:
+        assert placement._drainer.cv.wait_for(lambda: placement._drainer.draining is not None, 60)
+    job = ckpt.engine.job(_state(rank, 5))
+    placement.fast.commit(5, job.write, nbytes=job.nbytes)  # committed, not handed over yet
+    dist.barrier()
+    if blocker is not None:
+        blocker.close()
+    drained = ckpt.drain(timeout=60)
+    after = sorted(p.name for p in mine.glob("step-*"))
+    dist.barrier()
+    ckpt.close()
+    return {"drained": drained, "after": after, "durable": sorted(p.name for p in run.glob("step-*"))}
+
+
 def _death(base: Path, rank: int) -> dict[str, Any]:
     from slurm_ckpt import Checkpointer
     from slurm_ckpt.config import Config
@@ -640,6 +684,7 @@ PHASES = {
         "nodrain": _nodrain,
         "nodrain2": lambda b, r: _nodrain(b, r, "nodrain2"),
         "trim": _trim,
+        "backstep": _backstep,
     },
     "death": {"death": _death},
     "resume": {"resume": _resume},
