@@ -93,10 +93,9 @@ class Drainer(Generic[T]):
             with self.cv:
                 item = self.draining = self.pending
                 self.pending = None
+                self.cv.notify_all()  # a copy starts, or the thread goes idle
                 if item is None:
                     self._thread = None
-                self.cv.notify_all()  # whoever waits on the drain's state: it changed
-                if item is None:
                     return
             try:
                 result = self._copy(item)

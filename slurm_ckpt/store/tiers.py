@@ -223,7 +223,8 @@ class Tiers:
         # A save's retention keeps the checkpoint being copied, so the fast tier
         # holds more than ``keep`` until the drain has copied a newer one: trim
         # it then, not only at the next save (scratch is the job's reserved
-        # space). Nothing committed since ``item``: it may not be submitted yet.
+        # space). Checkpoints committed after ``item`` are spared: one may not
+        # have been handed to the drain yet.
         try:
             self.fast.retain(self.keep, protect=self.protected(), before=item.at)
         except OSError as e:  # the copy is done: a failed delete must not undo it

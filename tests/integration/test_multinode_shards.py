@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -568,28 +569,30 @@ def _nodrain(base: Path, rank: int, name: str = "nodrain") -> dict[str, Any]:
     return {"durable_after_wait": durable, "loaded": loaded, "durable_steps": steps}
 
 
-def _trim(base: Path, rank: int) -> dict[str, Any]:
-    """keep=1 while the assembly is blocked, so each rank's drain waits with a shard in hand."""
+def _blocked_drain(base: Path, rank: int, name: str, first: int, meanwhile: Callable[[Any], None]) -> dict[str, Any]:
+    """keep=1, with rank 0 holding the assembly lock (a stage-out on another node): each
+    rank saves step ``first``, waits until its drain holds it, calls ``meanwhile(ckpt)``,
+    then the lock goes and the drain ends. Returns this rank's scratch steps while
+    blocked and after, whether the drain ended, and the durable steps."""
     import fcntl
 
     import torch.distributed as dist
 
     from slurm_ckpt.store.shards.layout import ASSEMBLY_LOCK
 
-    run = base / "trim"
+    run = base / name
     ckpt = _ckpt(run, rank, keep=1)
-    mine = base / f"trim-scratch{rank}" / "ckpt" / f"rank-{rank:05d}"
+    mine = base / f"{name}-scratch{rank}" / "ckpt" / f"rank-{rank:05d}"
     blocker = None
-    if rank == 0:  # a stage-out on another node, holding the assembly lock
+    if rank == 0:
         blocker = open(run / ASSEMBLY_LOCK, "a")  # noqa: SIM115
         fcntl.flock(blocker, fcntl.LOCK_EX)
     dist.barrier()
     drainer = ckpt.placement._drainer
-    ckpt.save(_state(rank, 1), step=1)
-    with drainer.cv:  # the drain holds 1 (waiting for the assembly lock) before 2 and 3 are saved
+    ckpt.save(_state(rank, first), step=first)
+    with drainer.cv:  # the drain holds ``first``, waiting for the assembly lock
         assert drainer.cv.wait_for(lambda: drainer.draining is not None, 60)
-    for s in (2, 3):
-        ckpt.save(_state(rank, s), step=s)
+    meanwhile(ckpt)
     blocked = sorted(p.name for p in mine.glob("step-*"))
     dist.barrier()
     if blocker is not None:
@@ -602,37 +605,25 @@ def _trim(base: Path, rank: int) -> dict[str, Any]:
             "durable": sorted(p.name for p in run.glob("step-*"))}  # fmt: skip
 
 
+def _trim(base: Path, rank: int) -> dict[str, Any]:
+    """Steps 2 and 3 are saved while the drain waits with step 1 in hand."""
+
+    def newer(ckpt: Any) -> None:
+        for s in (2, 3):
+            ckpt.save(_state(rank, s), step=s)
+
+    return _blocked_drain(base, rank, "trim", 1, newer)
+
+
 def _backstep(base: Path, rank: int) -> dict[str, Any]:
-    """keep=1; step 10's shard is in the drain's hands (the assembly is blocked) when a run
-    resumed from an older step commits step 5 on scratch and has not handed it over yet."""
-    import fcntl
+    """While the drain waits with step 10 in hand, a run resumed from an older step
+    commits step 5 on scratch and has not handed it over yet."""
 
-    import torch.distributed as dist
+    def older(ckpt: Any) -> None:
+        job = ckpt.engine.job(_state(rank, 5))
+        ckpt.placement.fast.commit(5, job.write, nbytes=job.nbytes)  # committed, not handed over
 
-    from slurm_ckpt.store.shards.layout import ASSEMBLY_LOCK
-
-    run = base / "backstep"
-    ckpt = _ckpt(run, rank, keep=1)
-    placement = ckpt.placement
-    mine = base / f"backstep-scratch{rank}" / "ckpt" / f"rank-{rank:05d}"
-    blocker = None
-    if rank == 0:
-        blocker = open(run / ASSEMBLY_LOCK, "a")  # noqa: SIM115
-        fcntl.flock(blocker, fcntl.LOCK_EX)
-    dist.barrier()
-    ckpt.save(_state(rank, 10), step=10)
-    with placement._drainer.cv:
-        assert placement._drainer.cv.wait_for(lambda: placement._drainer.draining is not None, 60)
-    job = ckpt.engine.job(_state(rank, 5))
-    placement.fast.commit(5, job.write, nbytes=job.nbytes)  # committed, not handed over yet
-    dist.barrier()
-    if blocker is not None:
-        blocker.close()
-    drained = ckpt.drain(timeout=60)
-    after = sorted(p.name for p in mine.glob("step-*"))
-    dist.barrier()
-    ckpt.close()
-    return {"drained": drained, "after": after, "durable": sorted(p.name for p in run.glob("step-*"))}
+    return _blocked_drain(base, rank, "backstep", 10, older)
 
 
 def _death(base: Path, rank: int) -> dict[str, Any]:
