@@ -13,7 +13,8 @@ on a given machine).
 
 Chunks are checksummed independently by the worker that moves them and then
 combined in file order with :func:`crc32_combine` (zlib's algorithm: multiply
-by x^(8*len) modulo the CRC polynomial), so no second pass over the data is needed.
+by x^(8*len) modulo the CRC polynomial; ISA-L's, in C, where installed), so no
+second pass over the data is needed.
 """
 
 from __future__ import annotations
@@ -26,17 +27,6 @@ from collections.abc import Callable
 __all__ = ["CHECKSUM", "FAST", "crc32", "crc32_combine", "crc32_of_chunks", "crc_threads"]
 
 CHECKSUM = "crc32"
-
-crc32: Callable[..., int] = zlib.crc32
-"""``crc32(data, value=0)``, as ``zlib.crc32``."""
-FAST = False
-try:
-    from isal import isal_zlib
-
-    crc32, FAST = isal_zlib.crc32, True
-except ImportError:
-    pass
-
 
 def crc_threads() -> int:
     """Threads to checksum beside the I/O threads: half the cores, 1 to 4.
@@ -94,11 +84,28 @@ def _xpow8n(length: int) -> int:
     return p
 
 
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The crc32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``."""
+def _combine(crc1: int, crc2: int, len2: int) -> int:
+    """zlib's ``crc32_combine``, in Python (the fallback where ISA-L is missing)."""
     if len2 <= 0:
         return crc1
     return _multmodp(_xpow8n(len2), crc1) ^ crc2
+
+
+crc32: Callable[..., int] = zlib.crc32
+"""``crc32(data, value=0)``, as ``zlib.crc32``."""
+crc32_combine: Callable[[int, int, int], int] = _combine
+"""``crc32_combine(crc1, crc2, len2)``: the crc32 of ``A + B`` from ``crc32(A)``,
+``crc32(B)`` and ``len(B)``."""
+FAST = False
+try:
+    from isal import isal_zlib
+
+    crc32, FAST = isal_zlib.crc32, True
+    # In C: a read combines a crc per chunk once its last byte lands, while the
+    # trainer waits, and chunks of many lengths miss ``_xpow8n``'s cache.
+    crc32_combine = getattr(isal_zlib, "crc32_combine", _combine)
+except ImportError:
+    pass
 
 
 def crc32_of_chunks(parts: list[tuple[int, int]]) -> int:

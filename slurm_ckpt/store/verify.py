@@ -140,10 +140,10 @@ def crc_file(path: Path) -> str:
     Opened with :func:`~slurm_ckpt.store.fsutil.open_regular`: never through a link.
     """
     crc = 0
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
     try:
         with os.fdopen(_open(path), "rb", buffering=0) as f:
+            # Sized to the file: zeroing a whole CHUNK costs more than reading a small one.
+            view = memoryview(bytearray(max(1, min(CHUNK, os.fstat(f.fileno()).st_size))))
             while n := f.readinto(view):
                 crc = crc32(view[:n], crc)
     except OSError as e:

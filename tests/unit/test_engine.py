@@ -28,6 +28,7 @@ from slurm_ckpt.engine.writer import write_image
 from slurm_ckpt.errors import CheckpointCorrupt
 from slurm_ckpt.store.codec import TensorEntry, encode_state
 from slurm_ckpt.store.commit import commit
+from slurm_ckpt.store import crc
 from slurm_ckpt.store.crc import crc32_combine, crc32_of_chunks
 from slurm_ckpt.store.tensorfile import FileRecord, read_tensors, write_tensor_file
 from slurm_ckpt.store.verify import verify_checkpoint
@@ -69,9 +70,21 @@ def assert_same(got: Any, want: Any) -> None:
         assert got == want
 
 
+# Both the Python fallback and the one in use (ISA-L's, in C, where installed).
+COMBINES = [pytest.param(crc._combine, id="python"), pytest.param(crc32_combine, id="in-use")]
+
+
+@pytest.mark.parametrize("combine", COMBINES)
 @given(st.binary(max_size=3000), st.binary(max_size=3000))
-def test_crc32_combine_matches_zlib_on_the_concatenation(a: bytes, b: bytes) -> None:
-    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+def test_crc32_combine_matches_zlib_on_the_concatenation(combine: Any, a: bytes, b: bytes) -> None:
+    assert combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+@pytest.mark.parametrize("combine", COMBINES)
+@pytest.mark.parametrize("n", [4096, (2 << 20) - 4096 * 37, (8 << 20) + 12345])
+def test_crc32_combine_matches_zlib_at_chunk_lengths(combine: Any, n: int) -> None:
+    a, b = b"head" * 1000, bytes(range(256)) * (n // 256) + b"x" * (n % 256)
+    assert combine(zlib.crc32(a), zlib.crc32(b), n) == zlib.crc32(a + b)
 
 
 @given(st.lists(st.binary(max_size=500), max_size=8))
@@ -619,9 +632,9 @@ def test_fast_crc32_is_zlibs_crc32() -> None:
     # The optional ISA-L crc32 must give exactly zlib's values, or checkpoints
     # written with it would fail verification where it is not installed.
     isal_zlib = pytest.importorskip("isal.isal_zlib")
-    from slurm_ckpt.store import crc
 
     assert crc.FAST and crc.crc32 is isal_zlib.crc32
+    assert crc.crc32_combine is isal_zlib.crc32_combine  # its values: the tests above
     data = os.urandom(3 << 20)
     for lo, hi in [(0, 0), (0, 1), (7, 4096 + 13), (0, len(data))]:
         view = memoryview(data)[lo:hi]
