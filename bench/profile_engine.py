@@ -22,6 +22,9 @@ read   raw O_DIRECT into memory already faulted in (the limit)
        engine read into the state's own tensors (``into=``: no fresh memory,
        but torch's allocations keep up to 2 MiB at each end on 4 KiB pages)
        engine read into tensors it read before (no fresh memory, huge pages)
+       engine read into the state's tensors, no checksum (what verifying costs)
+       Checkpointer.load_latest(into=) the state (adds: finding and checking
+       the checkpoint, state.json, matching ``into`` to it, the decode)
 stall  memcpy of the state into a reused buffer, against the sync save
        (the floor of the copy snapshot's stall ratio on this machine)
 """
@@ -86,7 +89,7 @@ def table(title: str, nbytes: int, rows: dict[str, list[float]], base: str) -> N
     ref = statistics.median(rows[base])
     for name, ts in rows.items():
         m = statistics.median(ts)
-        print(f"  {name:<46} {m:7.3f} s {nbytes / m / 1e9:6.2f} GB/s  x{ref / m:5.2f} of {base}")
+        print(f"  {name:<50} {m:7.3f} s {nbytes / m / 1e9:6.2f} GB/s  x{ref / m:5.2f} of {base}")
 
 
 def main() -> None:
@@ -148,6 +151,9 @@ def main() -> None:
             ("engine read, zlib's crc32 (without isal)", lambda: _zlib_read(data, rec)),
             ("engine read into the state's tensors", lambda: read_tensor_file(data, rec, into=mine)),
             ("engine read into tensors it read before", lambda: read_tensor_file(data, rec, into=ours)),
+            ("engine read into the state's tensors, no checksum",
+             lambda: read_tensor_file(data, rec, into=mine, verify=False)),
+            ("Checkpointer.load_latest(into=the state)", lambda: ck.load_latest(into=state)),
         ]
         for name, _ in cases:
             reads.setdefault(name, [])
