@@ -26,9 +26,9 @@ from slurm_ckpt.engine.reader import read_tensor_file
 from slurm_ckpt.engine.staging import Staging
 from slurm_ckpt.engine.writer import write_image
 from slurm_ckpt.errors import CheckpointCorrupt
+from slurm_ckpt.store import crc
 from slurm_ckpt.store.codec import TensorEntry, encode_state
 from slurm_ckpt.store.commit import commit
-from slurm_ckpt.store import crc
 from slurm_ckpt.store.crc import crc32_combine, crc32_of_chunks
 from slurm_ckpt.store.tensorfile import FileRecord, read_tensors, write_tensor_file
 from slurm_ckpt.store.verify import verify_checkpoint
