@@ -54,6 +54,7 @@ from slurm_ckpt.engine.layout import plan_file
 from slurm_ckpt.engine.reader import read_tensor_file
 from slurm_ckpt.engine.staging import Staging
 from slurm_ckpt.engine.writer import write_image
+from slurm_ckpt.store import crc as crc_module
 from slurm_ckpt.store.codec import encode_state
 from slurm_ckpt.store.crc import FAST, crc32
 from slurm_ckpt.store.verify import verify_checkpoint
@@ -71,8 +72,14 @@ def crc32_of(module: Any, fn: Callable[..., int]) -> Iterator[None]:
 
 
 def _zlib_read(path: Path, rec: Any) -> Any:
-    with crc32_of(engine_reader, zlib.crc32):
-        return read_tensor_file(path, rec)
+    """The read as it runs without isal: zlib's crc32, and the Python combine."""
+    real = crc_module.crc32_combine, engine_reader.crc32_combine
+    crc_module.crc32_combine = engine_reader.crc32_combine = crc_module._combine
+    try:
+        with crc32_of(engine_reader, zlib.crc32):
+            return read_tensor_file(path, rec)
+    finally:
+        crc_module.crc32_combine, engine_reader.crc32_combine = real
 
 
 def timed(fn: Callable[[], Any], before: Callable[[], Any] = lambda: None) -> float:

@@ -28,6 +28,7 @@ __all__ = ["CHECKSUM", "FAST", "crc32", "crc32_combine", "crc32_of_chunks", "crc
 
 CHECKSUM = "crc32"
 
+
 def crc_threads() -> int:
     """Threads to checksum beside the I/O threads: half the cores, 1 to 4.
 
@@ -85,9 +86,10 @@ def _xpow8n(length: int) -> int:
 
 
 def _combine(crc1: int, crc2: int, len2: int) -> int:
-    """zlib's ``crc32_combine``, in Python (the fallback where ISA-L is missing)."""
-    if len2 <= 0:
-        return crc1
+    """zlib's ``crc32_combine``, in Python (the fallback where ISA-L is missing);
+    for ``len2 == 0`` it gives ``crc1 ^ crc2``, as zlib and ISA-L do."""
+    if len2 < 0:
+        raise ValueError(f"crc32_combine: negative length {len2}")
     return _multmodp(_xpow8n(len2), crc1) ^ crc2
 
 
@@ -114,4 +116,3 @@ def crc32_of_chunks(parts: list[tuple[int, int]]) -> int:
     for c, n in parts:
         crc = crc32_combine(crc, c, n)
     return crc
-
