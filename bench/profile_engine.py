@@ -25,6 +25,7 @@ read   raw O_DIRECT into memory already faulted in (the limit)
        engine read into the state's tensors, no checksum (what verifying costs)
        Checkpointer.load_latest(into=) the state (adds: finding and checking
        the checkpoint, state.json, matching ``into`` to it, the decode)
+       the same with the Python crc32_combine (what isal's combine is worth)
 stall  memcpy of the state into a reused buffer, against the sync save
        (the floor of the copy snapshot's stall ratio on this machine)
 """
@@ -61,25 +62,33 @@ from slurm_ckpt.store.verify import verify_checkpoint
 
 
 @contextlib.contextmanager
-def crc32_of(module: Any, fn: Callable[..., int]) -> Iterator[None]:
-    """``module`` computes its checksums with ``fn`` for the duration."""
-    real = module.crc32
-    module.crc32 = fn
+def swapped(*changes: tuple[Any, str, Any]) -> Iterator[None]:
+    """Each ``(module, name, value)``: ``module.name`` is ``value`` for the duration."""
+    real = [(module, name, getattr(module, name)) for module, name, _ in changes]
+    for module, name, value in changes:
+        setattr(module, name, value)
     try:
         yield
     finally:
-        module.crc32 = real
+        for module, name, value in real:
+            setattr(module, name, value)
 
 
-def _zlib_read(path: Path, rec: Any) -> Any:
-    """The read as it runs without isal: zlib's crc32, and the Python combine."""
-    real = crc_module.crc32_combine, engine_reader.crc32_combine
-    crc_module.crc32_combine = engine_reader.crc32_combine = crc_module._combine
-    try:
-        with crc32_of(engine_reader, zlib.crc32):
-            return read_tensor_file(path, rec)
-    finally:
-        crc_module.crc32_combine, engine_reader.crc32_combine = real
+# The reader as it runs without isal: zlib's crc32, and the Python combine
+# (the reader imports ``crc32_combine`` by name; ``crc32_of_chunks`` looks it up in ``crc``).
+PYTHON_COMBINE = ((crc_module, "crc32_combine", crc_module._combine),
+                  (engine_reader, "crc32_combine", crc_module._combine))  # fmt: skip
+WITHOUT_ISAL = ((engine_reader, "crc32", zlib.crc32), *PYTHON_COMBINE)
+
+
+def _swapped(fn: Callable[[], Any], *changes: tuple[Any, str, Any]) -> Callable[[], Any]:
+    """``fn``, run with ``changes`` in place."""
+
+    def run() -> Any:
+        with swapped(*changes):
+            return fn()
+
+    return run
 
 
 def timed(fn: Callable[[], Any], before: Callable[[], Any] = lambda: None) -> float:
@@ -131,9 +140,11 @@ def main() -> None:
             ("raw O_DIRECT x4, from 4 KiB pages", lambda: raw_small.write(out, 4)),
             ("engine, from one aligned buffer", lambda: write_image(out, staged)),
             ("engine, from tensors on aligned huge pages", lambda: write_image(out, huge_image)),
-            ("engine, from the tensors, no checksum", lambda: _nocrc(out, image)),
+            ("engine, from the tensors, no checksum",
+             _swapped(lambda: write_image(out, image), (engine_writer, "crc32", lambda data, value=0: 0))),
             ("engine, from the tensors", lambda: write_image(out, image)),
-            ("engine, from the tensors, not preallocated", lambda: _unreserved(out, image)),
+            ("engine, from the tensors, not preallocated",
+             _swapped(lambda: write_image(out, image), (engine_writer, "preallocate", lambda fd, size: False))),
             ("Checkpointer.save", lambda: ck.save(state, 1)),
         ]
         for name, _ in cases:
@@ -155,12 +166,14 @@ def main() -> None:
             ("raw O_DIRECT x4 into faulted memory (limit)", lambda: warm.read(out, 4)),
             ("raw O_DIRECT x4 into fresh memory", lambda: _fresh_read(warm, out)),
             ("engine read", lambda: read_tensor_file(data, rec)),
-            ("engine read, zlib's crc32 (without isal)", lambda: _zlib_read(data, rec)),
+            ("engine read, zlib's crc32 (without isal)", _swapped(lambda: read_tensor_file(data, rec), *WITHOUT_ISAL)),
             ("engine read into the state's tensors", lambda: read_tensor_file(data, rec, into=mine)),
             ("engine read into tensors it read before", lambda: read_tensor_file(data, rec, into=ours)),
             ("engine read into the state's tensors, no checksum",
              lambda: read_tensor_file(data, rec, into=mine, verify=False)),
             ("Checkpointer.load_latest(into=the state)", lambda: ck.load_latest(into=state)),
+            ("the same, Python crc32_combine (without isal)",
+             _swapped(lambda: ck.load_latest(into=state), *PYTHON_COMBINE)),
         ]
         for name, _ in cases:
             reads.setdefault(name, [])
@@ -176,16 +189,13 @@ def main() -> None:
         stall.setdefault("memcpy into the reused staging buffer", []).append(
             timed(lambda: staging.stage(encode_state(state).tensors)))  # fmt: skip
     table("ASYNC STALL FLOOR (copy snapshot)", image.size, stall, "Checkpointer.save")
+    combine_line = _combine_cost(lambda: ck.load_latest(into=state))
     ck.close()
     shutil.rmtree(root / "ckpt", ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         out.unlink()
     print(f"\ncrc32 ({'ISA-L' if FAST else 'zlib'}) of 64 MiB on one core: {_crc_rate():.2f} GB/s")
-
-
-def _nocrc(out: Path, image: Any) -> None:
-    with crc32_of(engine_writer, lambda data, value=0: 0):
-        write_image(out, image)
+    print(combine_line)
 
 
 def _on_huge_pages(state: Any) -> tuple[Any, list[Any]]:
@@ -205,21 +215,37 @@ def _on_huge_pages(state: Any) -> tuple[Any, list[Any]]:
     return map_tensors(state, copy), held
 
 
-def _unreserved(out: Path, image: Any) -> None:
-    real = engine_writer.preallocate
-    engine_writer.preallocate = lambda fd, size: False
-    try:
-        write_image(out, image)
-    finally:
-        engine_writer.preallocate = real
-
-
 def _fresh_read(raw: Raw, path: Path) -> None:
     """``raw``'s read, into memory allocated just before (every page faulted by the read)."""
     import torch
 
     buf = torch.empty(raw.nbytes + ALIGN, dtype=torch.uint8)
     raw.read(path, 4, into=memory_view(buf.data_ptr() + (-buf.data_ptr() % ALIGN), raw.nbytes))
+
+
+def _combine_cost(load: Callable[[], Any]) -> str:
+    """What combining one ``into=`` load's chunk crcs costs, ISA-L's combine against
+    the Python one (its cache of lengths emptied first, as in a process's first load)."""
+    parts: list[list[tuple[int, int]]] = []
+    real = crc_module.crc32_of_chunks
+
+    def keep(p: list[tuple[int, int]]) -> int:
+        parts.append(list(p))
+        return real(p)
+
+    with swapped((engine_reader, "crc32_of_chunks", keep)):
+        load()
+    costs = {}
+    for name, combine in (("in use", crc_module.crc32_combine), ("Python", crc_module._combine)):
+        crc_module._xpow8n.cache_clear()
+        with swapped((crc_module, "crc32_combine", combine)):
+            t0 = time.perf_counter()
+            for p in parts:
+                real(p)
+            costs[name] = time.perf_counter() - t0
+    n = sum(len(p) for p in parts)
+    return (f"combining the {n} chunk crcs of one into= load: {costs['in use'] * 1e3:.2f} ms with the combine "
+            f"in use, {costs['Python'] * 1e3:.2f} ms with the Python one")
 
 
 def _crc_rate() -> float:
