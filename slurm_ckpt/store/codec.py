@@ -14,7 +14,13 @@ cannot say natively are tagged objects with a single ``$``-key:
                     ``requires_grad`` and ``parameter`` when they are set;
                     ``key`` names the tensor object
 ``{"$np": key}``    a numpy array, stored whole as a tensor
+``{"$npscalar":     a numpy scalar (``np.float32(0.5)``), as its dtype
+[dtype, v]}``       (``"<f4"``) and its value: a JSON number where that gives
+                    back the same bits, else ``{"$bytes": ...}`` of its bytes
 ``{"$tuple": []}``  a tuple
+``{"$size": []}``   a ``torch.Size``
+``{"$complex":      a complex number
+[re, im]}``
 ``{"$items": []}``  a dict whose keys are not all plain strings (e.g. the int
                     keys of an optimizer state_dict), as ``[key, value]`` pairs
 ``{"$odict": []}``  an ``OrderedDict`` (a model's state_dict), as ``[dict, metadata]``:
@@ -49,7 +55,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import UnsafeLoad, UnsupportedValue
+from ..errors import CheckpointCorrupt, UnsafeLoad, UnsupportedValue
 
 __all__ = [
     "EncodedState",
@@ -254,7 +260,7 @@ def encode_state(
             return obj
         if isinstance(obj, int):
             return int(obj) if obj.bit_length() <= _MAX_JSON_INT_BITS else {"$int": hex(obj)}
-        if isinstance(obj, float):
+        if type(obj) is float:  # np.float64 is a float too: it is kept below
             if math.isfinite(obj):
                 return obj
             return {"$float": repr(obj)}
@@ -269,14 +275,21 @@ def encode_state(
             if isinstance(obj, torch.dtype):
                 return {"$dtype": str(obj).removeprefix("torch.")}
             if isinstance(obj, torch.Size):
-                return {"$tuple": [int(d) for d in obj]}
+                return {"$size": [int(d) for d in obj]}
         if tname == "numpy":
             import numpy as np
 
             if isinstance(obj, np.ndarray) and obj.dtype != object:
                 return array_ref(obj, path)
-            if isinstance(obj, np.generic):
-                return enc(obj.item(), path)
+            if isinstance(obj, np.generic) and obj.dtype.kind in _NP_SCALAR_KINDS:
+                # Kept a numpy scalar, not turned into a Python one: arithmetic
+                # on an np.float32 rounds to float32, on a float to float64, so
+                # a resumed loop would drift from the one that saved.
+                return {"$npscalar": [obj.dtype.str, _np_scalar_value(obj)]}
+        if isinstance(obj, float):
+            return enc(float(obj), path)
+        if isinstance(obj, complex):
+            return {"$complex": [enc(obj.real, path), enc(obj.imag, path)]}
         if isinstance(obj, dict):
             if all(isinstance(k, str) and not k.startswith("$") for k in obj):
                 body: Any = {k: enc(v, f"{path}/{_escape(k)}") for k, v in obj.items()}
@@ -346,6 +359,35 @@ def _store(group: list[_Leaf], entry: Callable[[str, Any], None]) -> None:
         if isinstance(t, _torch().nn.Parameter):
             view["parameter"] = True
         leaf.ref["$view"] = view
+
+
+_NP_SCALAR_KINDS = "biufcmM"
+"""Numpy scalars stored as ``$npscalar``: bools, numbers, datetimes and timedeltas."""
+
+
+def _np_scalar_value(x: Any) -> Any:
+    """``x``'s value in ``state.json``: a JSON number if reading it back gives the same bits."""
+    if x.dtype.kind in "biuf":  # not complex, and datetimes' numbers need their unit
+        v = x.item()
+        if (type(v) in (bool, int) or (type(v) is float and math.isfinite(v))) and x.dtype.type(v).tobytes() == x.tobytes():
+            return v
+    return {"$bytes": base64.b64encode(x.tobytes()).decode("ascii")}
+
+
+def _np_scalar(val: Any) -> Any:
+    """The numpy scalar a ``$npscalar`` tag holds."""
+    import numpy as np
+
+    dtype_str, value = val
+    dtype = np.dtype(dtype_str)
+    if dtype.kind not in _NP_SCALAR_KINDS:
+        raise CheckpointCorrupt(f"state.json: a numpy scalar of dtype {dtype_str!r}, which is never stored")
+    if isinstance(value, dict):
+        raw = base64.b64decode(value["$bytes"])
+        if len(raw) != dtype.itemsize:
+            raise CheckpointCorrupt(f"state.json: a numpy {dtype_str} scalar of {len(raw)} bytes")
+        return np.frombuffer(raw, dtype=dtype)[0]
+    return dtype.type(value)
 
 
 def _torch() -> Any:
@@ -453,6 +495,15 @@ def decode_state(
                 return array(val)
             if tag == "$tuple":
                 return tuple(dec(v) for v in val)
+            if tag == "$size":
+                import torch
+
+                return torch.Size(int(d) for d in val)
+            if tag == "$npscalar":
+                return _np_scalar(val)
+            if tag == "$complex":
+                re, im = val
+                return complex(dec(re), dec(im))
             if tag == "$items":
                 return {_hashable(dec(k)): dec(v) for k, v in val}
             if tag == "$odict":

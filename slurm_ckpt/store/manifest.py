@@ -27,9 +27,11 @@ from .tensorfile import CHECKSUM, FileRecord
 __all__ = ["CHUNKED", "FORMAT", "MANIFEST", "READS", "VERSION", "Manifest", "is_chunked"]
 
 FORMAT = "slurm-ckpt"
-VERSION = 2
-"""Written. 2: ``state.json`` may hold ``$view`` tensors (storages shared, any strides)."""
-READS = (1, 2)
+VERSION = 3
+"""Written. 2: ``state.json`` may hold ``$view`` tensors (storages shared, any strides).
+3: and ``$npscalar``, ``$size`` and ``$complex`` values, which a reader of 2 would
+give back as dicts."""
+READS = (1, 2, 3)
 MANIFEST = "MANIFEST.json"
 MANIFEST_LIMIT = 1 << 30
 """A manifest larger than this is damage, not a checkpoint (and would exhaust memory)."""

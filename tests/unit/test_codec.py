@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 import tempfile
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -65,6 +67,20 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
 
 
 floats = st.floats(allow_nan=True, allow_infinity=True)
+NP_SCALARS = ["?", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "g", "c8", "c16", "M8[s]",
+              "m8[ms]"]  # fmt: skip
+
+
+@st.composite
+def np_scalars(draw: st.DrawFn) -> Any:
+    """A numpy scalar of any stored kind, from random bytes (NaN payloads, -0.0, NaT)."""
+    dtype = np.dtype(draw(st.sampled_from(NP_SCALARS)))
+    data = draw(st.binary(min_size=dtype.itemsize, max_size=dtype.itemsize))
+    if dtype.kind == "b":
+        data = bytes(b & 1 for b in data)
+    if dtype == np.longdouble:  # x87's 80 bits in 16: the 6 bytes of padding are not kept
+        data = data[:10] + bytes(dtype.itemsize - 10)
+    return np.frombuffer(data, dtype=dtype)[0]
 ints = st.integers() | st.integers(min_value=2**63, max_value=2**300) | st.just(-(2**80))
 keys_str = st.text(max_size=8) | st.sampled_from(
     ["$t", "$items", "a/b", "%2F", "__metadata__", "."]
@@ -75,6 +91,7 @@ keys_str = st.text(max_size=8) | st.sampled_from(
 def states(draw: st.DrawFn) -> Any:
     pool = draw(st.lists(tensors(), min_size=1, max_size=6))
     leaf = st.none() | st.booleans() | ints | floats | st.text(max_size=10) | st.binary(max_size=10)
+    leaf = leaf | np_scalars() | st.complex_numbers() | st.lists(st.integers(0, 9), max_size=3).map(torch.Size)
     leaf = leaf | st.sampled_from(pool)  # drawing the same object twice makes a tie
     tree = st.recursive(
         leaf,
@@ -106,6 +123,11 @@ def assert_same(a: Any, b: Any, where: str = "/") -> None:
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, where
         assert raw(a) == raw(b), f"{where}: tensor bytes differ"
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"{where}: {a!r} became {b!r}"
+    elif isinstance(a, complex):
+        assert_same(a.real, b.real, f"{where}real/")
+        assert_same(a.imag, b.imag, f"{where}imag/")
     elif isinstance(a, float):
         assert struct.pack("<d", a) == struct.pack("<d", b) or (math.isnan(a) and math.isnan(b)), (
             where
@@ -169,16 +191,47 @@ def test_every_dtype_and_shape_kind_explicitly() -> None:
         "bytes": b"\x00\xff",
         "dtype": torch.bfloat16,
         "size": torch.Size([2, 3]),
+        "complex": [1 + 2j, complex(float("nan"), -0.0)],
+        "np": [
+            np.float32(0.1), np.float16(-0.0), np.float32("nan"), np.uint64(2**64 - 1), np.bool_(True),
+            np.longdouble(1) / 3, np.complex64(1 - 2j), np.datetime64("2026-12-02T10:00"),
+            np.timedelta64("NaT"), np.float64(0.1),
+        ],
         "__metadata__": torch.ones(2),
     }
     out = round_trip(state)
     assert out["tied"]["a"] is out["tied"]["b"]
     assert out["big"] == 10**5000
-    assert out["dtype"] is torch.bfloat16 and out["size"] == (2, 3)
-    assert_same(
-        {k: v for k, v in state.items() if k not in ("dtype", "size")},
-        {k: v for k, v in out.items() if k not in ("dtype", "size")},
-    )
+    assert out["dtype"] is torch.bfloat16
+    assert_same({k: v for k, v in state.items() if k != "dtype"}, {k: v for k, v in out.items() if k != "dtype"})
+
+
+def test_a_numpy_scalar_resumes_the_arithmetic_it_was_saved_in() -> None:
+    # A loss average kept in float32, as np.mean of a float32 array gives it: read
+    # back as a Python float, the next updates would round to float64 instead.
+    def ema(avg: Any, steps: range) -> Any:
+        for i in steps:
+            avg = avg * 0.9 + 0.1 / (i + 1)
+        return avg
+
+    saved = ema(np.float32(1.0), range(5))
+    assert type(saved) is np.float32
+    resumed = ema(round_trip({"avg": saved})["avg"], range(5, 10))
+    assert type(resumed) is np.float32 and resumed.tobytes() == ema(np.float32(1.0), range(10)).tobytes()
+
+
+def test_numpy_scalars_keep_readable_values_in_state_json(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, keep=1) as ck:
+        ck.save({"a": np.float32(0.5), "b": np.int64(-3), "c": np.float32("inf")}, step=1)
+    tree = json.loads((tmp_path / "step-000000001" / "state.json").read_text())
+    assert tree["a"] == {"$npscalar": ["<f4", 0.5]} and tree["b"] == {"$npscalar": ["<i8", -3]}
+    assert tree["c"] == {"$npscalar": ["<f4", {"$bytes": "AACAfw=="}]}
+
+
+def test_a_numpy_scalar_no_kind_stores_is_refused(tmp_path: Path) -> None:
+    void = np.zeros(1, dtype=[("x", "i4")])[0]
+    with Checkpointer(tmp_path) as ck, pytest.raises(UnsupportedValue, match=r"/v: cannot store a void.*allow_pickle"):
+        ck.save({"v": void}, step=1)
 
 
 class Opaque:

@@ -10,6 +10,7 @@ a tensor saved on a device goes back there, and format-1 checkpoints still load.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import zlib
 from pathlib import Path
@@ -27,7 +28,7 @@ from slurm_ckpt.store.manifest import MANIFEST, Manifest
 from slurm_ckpt.store.verify import verify_checkpoint
 from slurm_ckpt.store.writer import load_state, write_state
 from tests.compat.cases import layout
-from tests.unit.format1_state import format1_state
+from tests.unit.old_formats import format1_state, format2_state
 
 torch = pytest.importorskip("torch")
 
@@ -178,12 +179,33 @@ def test_a_format_1_checkpoint_still_loads(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "run" / "step-000000007" / MANIFEST).read_text())["version"] == 1
 
 
+def test_a_format_2_checkpoint_still_loads_as_it_was_written(tmp_path: Path) -> None:
+    # Written by 0.2.0 (tests/unit/data/format2), which stored numpy scalars as
+    # JSON numbers and a torch.Size as a tuple: they load as such, as they did.
+    shutil.copytree(DATA / "format2", tmp_path / "run")
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        got = ck.load_latest()
+        assert ck.loaded_step == 9
+    want = format2_state()
+    assert json.loads((tmp_path / "run" / "step-000000009" / MANIFEST).read_text())["version"] == 2
+    assert type(got["model"]) is type(want["model"]) and got["model"]._metadata == want["model"]._metadata
+    for k, v in want["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    assert got["tied"][0] is got["tied"][1] and torch.equal(got["tied"][0], want["tied"][0])
+    assert got["t"].untyped_storage().data_ptr() == got["tied"][0].untyped_storage().data_ptr()
+    assert torch.equal(got["t"], want["t"]) and torch.equal(got["row"], want["row"])
+    assert type(got["np_f32"]) is float and got["np_f32"] == float(want["np_f32"])
+    assert type(got["np_i64"]) is int and got["np_i64"] == -5
+    assert type(got["size"]) is tuple and got["size"] == (2, 3)
+    assert math.isnan(got["nan"]) and got["step"] == 9
+
+
 def test_a_newer_format_is_refused_with_what_to_do(tmp_path: Path) -> None:
     path, _ = saved({"x": torch.ones(2)}, tmp_path)
-    raw = (path / MANIFEST).read_bytes().replace(b'"version": 2', b'"version": 3')
+    raw = (path / MANIFEST).read_bytes().replace(b'"version": 3', b'"version": 4')
     body = raw[: raw.rindex(b',\n "manifest_crc32"')]
     (path / MANIFEST).write_bytes(body + b',\n "manifest_crc32": "%08x"\n}\n' % zlib.crc32(body + b"\n}"))
-    with pytest.raises(CheckpointCorrupt, match=r"format version 3 is not one this slurm-ckpt reads.*upgrade"):
+    with pytest.raises(CheckpointCorrupt, match=r"format version 4 is not one this slurm-ckpt reads.*upgrade"):
         Manifest.read(path)
 
 
