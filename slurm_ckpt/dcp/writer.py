@@ -129,7 +129,9 @@ class StorageWriter(_dcp_storage.StorageWriter):
     manifest last and an atomic rename; every file and every block of each
     stored chunk checksummed (``index.py``); written with the engine's ``O_DIRECT``
     writer. ``keep`` checkpoints are kept (default: the config's
-    ``storage.keep``). ``dcp.async_save`` works with it too.
+    ``storage.keep``). ``dcp.async_save`` works with it too; with
+    ``async_checkpointer_type=AsyncCheckpointerType.PROCESS`` its future is done
+    once the checkpoint is in the run dir (the copy from scratch included).
 
     With node-local scratch (``scratch``, else ``$SLURM_CKPT_SCRATCH``: an
     existing writable dir; ``scratch=False`` for none) that every rank shares,
@@ -178,6 +180,8 @@ class StorageWriter(_dcp_storage.StorageWriter):
         """The coordinator's tiers (its drain thread), made at its first save to scratch."""
         self._fast: tuple[Path, Path | None] | None = None
         """(run dir, its fast tier or None), decided once per run dir."""
+        self._durable_when_done = False
+        """finish() waits for the drain (a copy made for another process: ``__getstate__``)."""
 
     def __getstate__(self) -> dict[str, Any]:
         # dcp.async_save with a process executor sends the writer to a subprocess:
@@ -185,6 +189,10 @@ class StorageWriter(_dcp_storage.StorageWriter):
         state = self.__dict__.copy()
         # So do the tiers and their drain thread: the subprocess makes its own.
         state["_pending"] = state["_local"] = None
+        # The subprocess gets a new copy for every save, and nothing there would
+        # wait for its drain (close() in the trainer's process cannot see it), so a
+        # copy's save ends only once the checkpoint is in the run dir.
+        state["_durable_when_done"] = True
         return state
 
     # -------------------------------------------------------------- DCP's calls
@@ -292,6 +300,10 @@ class StorageWriter(_dcp_storage.StorageWriter):
                 log.warning("checkpoint %d committed, but retention failed: %s", pending.step, e)
         finally:
             self._abandon()
+        if self._durable_when_done and self._local is not None:
+            local = self._local
+            self.close()
+            self._surface_drain_error(local)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

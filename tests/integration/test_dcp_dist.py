@@ -159,6 +159,27 @@ def test_two_ranks_on_one_node_commit_on_its_scratch_and_the_drain_makes_it_dura
     assert sorted(f for f in man.files if f.startswith("dcp-")) == ["dcp-00000.safetensors", "dcp-00001.safetensors"]
 
 
+def test_async_save_in_dcp_s_own_process_is_done_once_durable(tmp_path: Path) -> None:
+    """dcp.async_save with a process executor, scratch shared by both ranks: DCP's
+    process gets a new copy of the writer for each save, and nothing would wait for
+    that copy's drain, so its save ends only once the checkpoint is in the run dir.
+    Checked right after each future is done (two saves through one process), and
+    again once the job has killed DCP's process; then the run dir alone loads
+    bit-exact the state as it was at each call. A third save, whose copy fails,
+    fails its future and stays on scratch."""
+    run, scratch = tmp_path / "run", tmp_path / "scratch"
+    scratch.mkdir()
+    ranks = launch(2, f"{HERE}:_w_process_executor", {"run": str(run), "scratch": str(scratch)}, tmp_path / "out")
+    assert ranks[0]["durable_when_done"] == [True, True]
+    assert (scratch / "ckpt" / "step-000000002").is_dir(), "saved to scratch first"
+    assert "is locked by another writer" in ranks[0]["failed"] and ranks[0]["third_durable"] is False
+    assert (scratch / "ckpt" / "step-000000003" / "MANIFEST.json").is_file()
+    for r in ranks:
+        assert r["changed_after"] is True  # the trainer did change the tensors meanwhile
+        assert r["equal"] == [True, True]
+        assert r["closed"] is True
+
+
 def _tensor_bytes(run: Path, *, but: str) -> int:
     import math
 
@@ -333,3 +354,62 @@ def _w_tiers(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     dcp.load({"model": fmsd, "optim": fosd}, storage_reader=r)
     equal = not _mismatches(_full({"model": fmsd, "optim": fosd["state"]}), ref)
     return {"committed": committed, "drained": drained, "loaded_from": str(r.checkpoint), "equal": equal}
+
+
+def _w_process_executor(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from slurm_ckpt.dcp import StorageReader, StorageWriter
+    from slurm_ckpt.store import RunDir
+    from slurm_ckpt.store.verify import is_committed
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"  # where DCP's processes meet
+    run = Path(args["run"])
+    model, opt = _model(world)
+    w = StorageWriter(run, scratch=args["scratch"])
+    refs, durable, changed = [], [], False
+    for step in (1, 2):
+        _train(model, opt, 1, rank)
+        msd, osd = get_state_dict(model, opt)
+        refs.append(_full({"model": msd, "optim": osd["state"]}))
+        fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(run / f"step-{step}"), storage_writer=w,
+                             async_checkpointer_type=AsyncCheckpointerType.PROCESS)  # fmt: skip
+        _train(model, opt, 1, rank)  # changes the tensors while DCP's process writes
+        now = _full({"model": model.state_dict()})
+        changed = changed or bool(_mismatches(now, {k: v for k, v in refs[-1].items() if k in now}))
+        (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result(timeout=300)
+        durable.append(is_committed(run, step))
+    # A copy that fails (another writer holds the run dir) fails the future, and
+    # the checkpoint stays on scratch for the epilog.
+    held = RunDir(run)
+    if rank == 0:
+        held.lock()
+    fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(run / "step-3"), storage_writer=w,
+                         async_checkpointer_type=AsyncCheckpointerType.PROCESS)  # fmt: skip
+    try:
+        (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result(timeout=300)
+        failed = ""
+    except CheckpointException as e:  # the copy's error in it
+        failed = str(e)
+    held.unlock()
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    proc = executor._CHECKPOINT_PROCESS
+    if proc is not None:  # the job ends: nothing of DCP's process outlives it
+        proc._save_process.kill()
+        proc._save_process.join()
+        executor._CHECKPOINT_PROCESS = None
+    closed = w.close(timeout=0)
+    dist.barrier()
+    equal = []
+    for step, ref in zip((1, 2), refs, strict=True):
+        fresh, fresh_opt = _model(world)
+        fmsd, fosd = get_state_dict(fresh, fresh_opt)
+        dcp.load({"model": fmsd, "optim": fosd}, storage_reader=StorageReader(run / f"step-{step}", scratch=False))
+        equal.append(not _mismatches(_full({"model": fmsd, "optim": fosd["state"]}), ref))
+    return {"durable_when_done": durable, "changed_after": changed, "equal": equal, "closed": closed,
+            "failed": failed, "third_durable": is_committed(run, 3)}  # fmt: skip
