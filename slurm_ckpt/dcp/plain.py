@@ -171,7 +171,7 @@ def _flat(tree: Any, load_tensor: Callable[[str], Any]) -> tuple[dict[str, Any],
             return {k: mark(x) for k, x in v.items()}
         if isinstance(v, list):
             return [mark(x) for x in v]
-        if isinstance(v, tuple):
+        if type(v) is tuple:  # a torch.Size holds ints only, and stays a Size
             return tuple(mark(x) for x in v)
         return v
 

@@ -46,6 +46,7 @@ that tensor), else as its bytes, 1-D.
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import math
 import pickle
@@ -375,19 +376,35 @@ def _np_scalar_value(x: Any) -> Any:
 
 
 def _np_scalar(val: Any) -> Any:
-    """The numpy scalar a ``$npscalar`` tag holds."""
+    """The numpy scalar a ``$npscalar`` tag holds (``CheckpointCorrupt`` if it is malformed)."""
     import numpy as np
 
-    dtype_str, value = val
-    dtype = np.dtype(dtype_str)
-    if dtype.kind not in _NP_SCALAR_KINDS:
-        raise CheckpointCorrupt(f"state.json: a numpy scalar of dtype {dtype_str!r}, which is never stored")
-    if isinstance(value, dict):
-        raw = base64.b64decode(value["$bytes"])
-        if len(raw) != dtype.itemsize:
-            raise CheckpointCorrupt(f"state.json: a numpy {dtype_str} scalar of {len(raw)} bytes")
-        return np.frombuffer(raw, dtype=dtype)[0]
-    return dtype.type(value)
+    try:
+        dtype_str, value = val
+        dtype = np.dtype(dtype_str) if isinstance(dtype_str, str) else None
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None or dtype.kind not in _NP_SCALAR_KINDS:
+        raise CheckpointCorrupt(f"state.json: a bad numpy scalar {val!r:.80}")
+    if isinstance(value, dict) and isinstance(raw := value.get("$bytes"), str) and len(value) == 1:
+        data = base64.b64decode(raw)
+        if len(data) == dtype.itemsize:
+            return np.frombuffer(data, dtype=dtype)[0]
+    elif dtype.kind in "biuf" and type(value) in (bool, int, float):
+        with contextlib.suppress(OverflowError):
+            x = dtype.type(value)
+            if x == value:
+                return x
+    raise CheckpointCorrupt(f"state.json: a numpy {dtype_str} scalar that is not one: {value!r:.80}")
+
+
+def _number(v: Any) -> float:
+    """A part of a ``$complex``: a JSON number or a ``$float`` (``CheckpointCorrupt`` otherwise)."""
+    if type(v) in (int, float):
+        return float(v)
+    if isinstance(v, dict) and set(v) == {"$float"} and v["$float"] in ("nan", "inf", "-inf"):
+        return float(v["$float"])
+    raise CheckpointCorrupt(f"state.json: a complex number with a part that is not a number: {v!r:.80}")
 
 
 def _torch() -> Any:
@@ -502,8 +519,9 @@ def decode_state(
             if tag == "$npscalar":
                 return _np_scalar(val)
             if tag == "$complex":
-                re, im = val
-                return complex(dec(re), dec(im))
+                if not (isinstance(val, list) and len(val) == 2):
+                    raise CheckpointCorrupt(f"state.json: a bad complex number {val!r:.80}")
+                return complex(_number(val[0]), _number(val[1]))
             if tag == "$items":
                 return {_hashable(dec(k)): dec(v) for k, v in val}
             if tag == "$odict":

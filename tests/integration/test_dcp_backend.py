@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -364,7 +365,8 @@ def test_dcp_load_reads_a_checkpoint_of_the_checkpointer(tmp_path: Path) -> None
 
     model, opt, sched = trained()
     state = {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(), "step": 7,
-             "rng": torch.get_rng_state(), "tied": {"a": model[0].weight}}  # fmt: skip
+             "rng": torch.get_rng_state(), "tied": {"a": model[0].weight},
+             "plain": {"size": torch.Size([2, 3]), "avg": np.float32(0.1), "pair": (1, np.int64(2))}}  # fmt: skip
     with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
         ck.save(state, step=7)
     model2 = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
@@ -373,7 +375,8 @@ def test_dcp_load_reads_a_checkpoint_of_the_checkpointer(tmp_path: Path) -> None
     model2(torch.randn(4, 8)).sum().backward()
     opt2.step()  # the moments exist, as they must for DCP to load into them
     target = {"model": model2.state_dict(), "optim": opt2.state_dict(), "sched": sched2.state_dict(), "step": 0,
-              "rng": torch.zeros_like(state["rng"]), "tied": {"a": torch.zeros(6, 8)}}  # fmt: skip
+              "rng": torch.zeros_like(state["rng"]), "tied": {"a": torch.zeros(6, 8)},
+              "plain": {"size": None, "avg": None, "pair": None}}  # fmt: skip
     r = StorageReader(tmp_path / "run")
     dcp.load(target, storage_reader=r)
     model2.load_state_dict(target["model"])
@@ -384,6 +387,10 @@ def test_dcp_load_reads_a_checkpoint_of_the_checkpointer(tmp_path: Path) -> None
     assert opt2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
     assert sched2.state_dict() == sched.state_dict() and target["step"] == 7
     assert torch.equal(target["rng"], state["rng"]) and torch.equal(target["tied"]["a"], model[0].weight)
+    plain = target["plain"]  # plain values keep their types
+    assert type(plain["size"]) is torch.Size and plain["size"] == (2, 3)
+    assert type(plain["avg"]) is np.float32 and plain["avg"] == np.float32(0.1)
+    assert type(plain["pair"]) is tuple and type(plain["pair"][1]) is np.int64
     # Each data file is read whole once, to check it against the manifest's crc32.
     assert r.bytes_read >= sum(rec.size for n, rec in verify_checkpoint(tmp_path / "run" / "step-000000007").files.items()
                                if n.endswith(".safetensors"))  # fmt: skip

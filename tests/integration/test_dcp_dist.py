@@ -359,8 +359,8 @@ def _w_tiers(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
 def _w_process_executor(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     from slurm_ckpt.dcp import StorageReader, StorageWriter

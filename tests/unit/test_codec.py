@@ -16,7 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slurm_ckpt import Checkpointer, UnsafeLoad, UnsupportedValue
+from slurm_ckpt import CheckpointCorrupt, Checkpointer, UnsafeLoad, UnsupportedValue
+from slurm_ckpt.store.codec import decode_state
 
 DTYPES = [
     torch.float32,
@@ -81,6 +82,9 @@ def np_scalars(draw: st.DrawFn) -> Any:
     if dtype == np.longdouble:  # x87's 80 bits in 16: the 6 bytes of padding are not kept
         data = data[:10] + bytes(dtype.itemsize - 10)
     return np.frombuffer(data, dtype=dtype)[0]
+
+
+np_ints = st.integers(-(2**63), 2**63 - 1).map(np.int64) | st.integers(0, 255).map(np.uint8)
 ints = st.integers() | st.integers(min_value=2**63, max_value=2**300) | st.just(-(2**80))
 keys_str = st.text(max_size=8) | st.sampled_from(
     ["$t", "$items", "a/b", "%2F", "__metadata__", "."]
@@ -100,6 +104,7 @@ def states(draw: st.DrawFn) -> Any:
             | st.lists(kids, max_size=3).map(tuple)
             | st.dictionaries(keys_str, kids, max_size=4)
             | st.dictionaries(st.integers(-3, 10**20) | keys_str, kids, max_size=4)
+            | st.dictionaries(np_ints | st.lists(np_ints, max_size=2).map(tuple), kids, max_size=3)
         ),
         max_leaves=12,
     )
@@ -134,6 +139,7 @@ def assert_same(a: Any, b: Any, where: str = "/") -> None:
         )
     elif isinstance(a, dict):
         assert list(a) == list(b), f"{where}: keys {list(a)} became {list(b)}"
+        assert_same(list(a), list(b), f"{where}keys/")  # their types too: np.int64(3) == 3
         for k in a:
             assert_same(a[k], b[k], f"{where}{k!r}/")
     elif isinstance(a, (list, tuple)):
@@ -226,6 +232,20 @@ def test_numpy_scalars_keep_readable_values_in_state_json(tmp_path: Path) -> Non
     tree = json.loads((tmp_path / "step-000000001" / "state.json").read_text())
     assert tree["a"] == {"$npscalar": ["<f4", 0.5]} and tree["b"] == {"$npscalar": ["<i8", -3]}
     assert tree["c"] == {"$npscalar": ["<f4", {"$bytes": "AACAfw=="}]}
+
+
+@pytest.mark.parametrize("tag", [
+    {"$npscalar": ["<f4", [1, 2, 3]]}, {"$npscalar": ["<f8", None]}, {"$npscalar": ["?", "False"]},
+    {"$npscalar": ["?", 2]}, {"$npscalar": ["<i1", 1000]}, {"$npscalar": ["<i4", 1.5]},
+    {"$npscalar": ["<m8[s]", 5]}, {"$npscalar": ["<f4", {"x": 1}]}, {"$npscalar": ["<f4", {"$bytes": "AAA="}]},
+    {"$npscalar": ["<f4"]}, {"$npscalar": [{"a": 1}, 1]}, {"$npscalar": ["O", 1]}, {"$npscalar": ["nonsense", 1]},
+    {"$complex": [{"$complex": [1, 2]}, 3]}, {"$complex": ["1", 2]}, {"$complex": [1]},
+])  # fmt: skip
+def test_a_malformed_tag_is_a_corrupt_checkpoint(tag: dict[str, Any]) -> None:
+    # state.json is checksummed, so only a writer set on it gets here; its load must
+    # fail as damage (skipped for an older checkpoint), never build something else.
+    with pytest.raises(CheckpointCorrupt, match=r"state\.json"):
+        decode_state({"x": tag}, lambda key: None, None)
 
 
 def test_a_numpy_scalar_no_kind_stores_is_refused(tmp_path: Path) -> None:
