@@ -24,12 +24,16 @@ import mmap
 import os
 import threading
 
-__all__ = ["ALIGN", "HUGE", "BouncePool", "address_of", "aligned_buffer", "huge_buffer", "memory_view", "pool",
-           "populate"]  # fmt: skip
+__all__ = ["ALIGN", "HUGE", "TORCH_ALIGN", "BouncePool", "address_of", "aligned_buffer", "huge_buffer",
+           "memory_view", "pool", "populate"]  # fmt: skip
 
 ALIGN = 4096
 HUGE = 2 << 20
 """A transparent huge page (x86-64 and most arm64 kernels)."""
+TORCH_ALIGN = 64
+"""Where torch's CPU allocator starts every tensor's memory: at a multiple of 64 bytes.
+A vectorized sum or dot product adds in an order that depends on where the data
+starts within that, so a tensor placed elsewhere gives other last bits."""
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL
 _MADV_WIPEONFORK = 18  # Linux 4.14+
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -18,12 +18,17 @@ be zeroed, and the caller needs no second copy of the state. Others (small,
 on a GPU, not contiguous) are copied in once the file is verified.
 
 Every tensor comes back on a storage of its own, as ``torch.load`` gives it:
-offset 0, exactly its size, not resizable. It is a window of the buffer it
-was read into, so the read needs no copy, and nothing can reach the bytes of
-its neighbours in the same buffer.
+offset 0, exactly its size, not resizable, and starting at a multiple of 64
+bytes (``buffers.TORCH_ALIGN``: a sum over it then adds in the same order as
+over the tensor that was saved). It is a window of the buffer it was read
+into, so the read needs no copy, and nothing can reach the bytes of its
+neighbours in the same buffer. A tensor the file does not place at a multiple
+of 64 bytes (a size that is not one, see ``layout``) is moved once read: down
+to the boundary within its own buffer, or, sharing one, copied to fresh memory.
 
 ``use_mmap=True`` maps the file instead: tensors are zero-copy windows of the
-page cache (copy-on-write, so changing them never changes the file). With
+page cache (copy-on-write, so changing them never changes the file), but for
+those not at a multiple of 64 bytes in the file, which are copied. With
 ``verify=True`` every byte is still checksummed once, in parallel.
 
 The header is validated before any byte is placed: tensors must tile the data
@@ -49,7 +54,7 @@ from ..errors import CheckpointCorrupt, storage_error
 from ..store.codec import contiguous_strides, torch_dtype
 from ..store.crc import crc32, crc32_combine, crc32_of_chunks, crc_threads
 from ..store.tensorfile import CHECKSUM, FileRecord, read_header
-from .buffers import ALIGN, HUGE, address_of, huge_buffer, memory_view, pool, populate
+from .buffers import ALIGN, HUGE, TORCH_ALIGN, address_of, huge_buffer, memory_view, pool, populate
 
 __all__ = ["open_direct", "read_tensor_file", "read_through_bounce"]
 
@@ -225,11 +230,11 @@ def _read(
     it. A large tensor is a region of its own; runs of small ones share a buffer,
     which stays in memory while any of them does.
     """
-    import torch
-
     order = {e[0]: i for i, e in enumerate(layout)}
     out: dict[str, Any] = {}
     unaligned: list[tuple[str, int, Any, list[int]]] = []
+    moves: list[tuple[int, int, int]] = []  # (to, from, length): a tensor alone in its buffer, aligned once read
+    stores: list[Any] = []  # every buffer read into, alive until the end: not all of them have a window
     items: list[_Item] = []
     fresh: list[tuple[int, int]] = []
     for rb, re, entries in _regions(layout, start):
@@ -240,12 +245,17 @@ def _read(
             continue
         lo, hi = rb - rb % ALIGN, -(-re // ALIGN) * ALIGN
         store = _storage(hi - lo + ALIGN)
+        stores.append(store)
         pad = -store.data_ptr() % ALIGN
         base = store.data_ptr() + pad
         buffer = store.numpy()
-        for key, dtype, shape, begin, _ in entries:
+        for key, dtype, shape, begin, end in entries:
             off = pad + start + begin - lo
-            if off % dtype.itemsize:
+            skew = (base + off - pad) % TORCH_ALIGN  # the buffer starts on a page
+            if skew and len(entries) == 1:
+                moves.append((base - pad + off - skew, base - pad + off, end - begin))
+                out[key] = _window(store, buffer, off - skew, dtype, shape)
+            elif skew:
                 unaligned.append((key, base - pad + off, dtype, shape))  # copied once it is read
             else:
                 out[key] = _window(store, buffer, off, dtype, shape)
@@ -312,12 +322,50 @@ def _read(
     if failed:
         raise failed[0]
     crc = crc32_of_chunks(crcs)
-    for key, addr, dtype, shape in unaligned:
-        # A writer that did not align offsets to the dtype (ours always does).
-        copy = torch.empty(shape, dtype=dtype)
-        ctypes.memmove(copy.data_ptr(), addr, copy.numel() * copy.element_size())
-        out[key] = copy
+    # Only now: the crcs above were taken where the bytes landed.
+    for to, frm, n in moves:
+        ctypes.memmove(to, frm, n)
+    out.update(_aligned_copies(unaligned))
     return dict(sorted(out.items(), key=lambda kv: order[kv[0]])), crc
+
+
+def _aligned_copies(tensors: list[tuple[str, int, Any, list[int]]]) -> dict[str, Any]:
+    """``(key, address, dtype, shape)``: each tensor's bytes copied to a 64-byte boundary
+    of fresh memory, each a window as :func:`_window` makes them. As the read groups
+    them: a large tensor has a buffer of its own, small ones share one of at most 64 MiB."""
+    out: dict[str, Any] = {}
+    group: list[tuple[str, int, Any, list[int]]] = []
+    size = 0
+    for t in tensors:
+        n = -(-math.prod(t[3]) * t[2].itemsize // TORCH_ALIGN) * TORCH_ALIGN
+        if n >= _BIG:
+            out.update(_copy_into_one([t]))
+            continue
+        if size + n > _RUN:
+            out.update(_copy_into_one(group))
+            group, size = [], 0
+        group.append(t)
+        size += n
+    if group:
+        out.update(_copy_into_one(group))
+    return out
+
+
+def _copy_into_one(tensors: list[tuple[str, int, Any, list[int]]]) -> dict[str, Any]:
+    import torch
+
+    slots, end = [], 0
+    for _, _, dtype, shape in tensors:
+        slots.append(end)
+        end += -(-math.prod(shape) * dtype.itemsize // TORCH_ALIGN) * TORCH_ALIGN
+    store = torch.empty(end + TORCH_ALIGN, dtype=torch.uint8)
+    pad = -store.data_ptr() % TORCH_ALIGN
+    buffer = store.numpy()
+    out = {}
+    for (key, addr, dtype, shape), slot in zip(tensors, slots, strict=True):
+        ctypes.memmove(store.data_ptr() + pad + slot, addr, math.prod(shape) * dtype.itemsize)
+        out[key] = _window(store, buffer, pad + slot, dtype, shape)
+    return out
 
 
 def _window(store: Any, buffer: Any, off: int, dtype: Any, shape: list[int]) -> Any:
@@ -439,14 +487,15 @@ def _map(
         mm.madvise(_mmap.MADV_SEQUENTIAL)
     whole = torch.frombuffer(mm, dtype=torch.uint8)  # holds a reference to mm
     out: dict[str, Any] = {}
-    for key, dtype, shape, begin, end in layout:
-        a, b = start + begin, start + end
-        if a % dtype.itemsize:  # a file from a writer that did not align: copy this one
-            t = torch.empty(shape, dtype=dtype)
-            ctypes.memmove(t.data_ptr(), address_of(mm) + a, b - a)
+    unaligned = []
+    for key, dtype, shape, begin, _ in layout:
+        a = start + begin
+        if a % TORCH_ALIGN:  # the mapping starts on a page: copied, to be aligned as torch.load's
+            unaligned.append((key, address_of(mm) + a, dtype, shape))
         else:  # a window keeps the whole mapping alive
-            t = _window(whole, mm, a, dtype, shape)
-        out[key] = t
+            out[key] = _window(whole, mm, a, dtype, shape)
+    out.update(_aligned_copies(unaligned))
+    out = {e[0]: out[e[0]] for e in layout}
     crc = 0
     if verify and size > start:
         base_addr = address_of(mm)

@@ -9,10 +9,10 @@ own (``runner.py``), so a crash is a result, not the end of the suite.
 
 The state (:func:`make_state`) is what trainers save: a model's
 ``state_dict`` with tied weights, an optimizer's, an LR scheduler's and a
-GradScaler's, RNG states, and tensors as people leave them in a state: views of
-one buffer, transposed and expanded tensors, parameters, tensors that need
-grad, one tensor object at two places, many small tensors side by side, and
-one over 1 MiB (the reader's large-tensor path).
+GradScaler's, an L-BFGS optimizer's, RNG states, and tensors as people leave
+them in a state: views of one buffer, transposed and expanded tensors,
+parameters, tensors that need grad, one tensor object at two places, many
+small tensors side by side, and one over 1 MiB (the reader's large-tensor path).
 """
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ def make_state() -> dict[str, Any]:
         },
         "same_object": [shared, shared, {"again": shared}],
         "small": small,
+        "lbfgs": lbfgs_state(),
     }
     if torch.cuda.is_available():
         torch.cuda.manual_seed(SEED)
@@ -134,6 +135,14 @@ def make_state() -> dict[str, Any]:
         cuda = torch.randn(8, 4, device="cuda")
         state["cuda"] = {"rng": torch.cuda.get_rng_state(), "w": cuda, "row": cuda[3], "t": cuda.t()}
     return state
+
+
+def lbfgs_state() -> dict[str, Any]:
+    torch.manual_seed(SEED + 3)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 1))  # sizes no row of 16 floats fills
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, history_size=3, max_iter=4)
+    lbfgs_steps(model, opt, range(3))
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
 
 
 def save_both(state: Any, root: Path) -> None:
@@ -190,9 +199,9 @@ def state_digest(obj: Any) -> str:
 
 
 def layout(state: Any) -> list[dict[str, Any]]:
-    """Per tensor: dtype, shape, stride, storage_offset, storage size, device,
-    requires_grad, type; which tensors share a storage and at which byte; which
-    places hold the same tensor object; and the values."""
+    """Per tensor: dtype, shape, stride, storage_offset, storage size and
+    alignment, device, requires_grad, type; which tensors share a storage and at
+    which byte; which places hold the same tensor object; and the values."""
     groups: dict[int, int] = {}
     objects: dict[int, str] = {}
     out = []
@@ -207,6 +216,7 @@ def layout(state: Any) -> list[dict[str, Any]]:
             "stride": list(t.stride()),
             "storage_offset": t.storage_offset(),
             "storage_nbytes": storage.nbytes(),
+            "storage starts at a multiple of 64 bytes": storage.data_ptr() % 64 == 0 if storage.nbytes() else None,
             "device": str(t.device),
             "requires_grad": t.requires_grad,
             "is a view (has a _base)": t._base is not None,
@@ -287,6 +297,45 @@ def grad_scaler_load_state_dict(state: Any) -> dict[str, Any]:
     return {"scale": scaler.get_scale(), "state": scaler.state_dict()}
 
 
+def reductions(state: Any) -> list[Any]:
+    """Sums and dot products of every floating-point tensor, to the last bit: a
+    vectorized reduction adds in an order that depends on where the data starts."""
+    out: list[Any] = []
+    for path, t in tensors(state):
+        if t.is_floating_point() and t.numel() and t.is_contiguous():
+            t = t.detach()
+            out.append([path, float(t.double().sum() if t.dtype in (torch.float16, torch.bfloat16) else t.sum()).hex(),
+                        float(torch.dot(t.reshape(-1), t.reshape(-1))).hex() if t.dtype in (torch.float32, torch.float64)
+                        else None])  # fmt: skip
+    return out
+
+
+def lbfgs_load_state_dict_then_step(state: Any) -> str:
+    """L-BFGS, as PyTorch's time-sequence-prediction example trains: its state is
+    small tensors (a direction, its history) that every step takes dot products of."""
+    torch.manual_seed(SEED + 99)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 1))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, history_size=3, max_iter=4)
+    model.load_state_dict(state["lbfgs"]["model"])
+    opt.load_state_dict(state["lbfgs"]["optim"])
+    lbfgs_steps(model, opt, range(3, 6))
+    return state_digest(model.state_dict())
+
+
+def lbfgs_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 5, generator=g), torch.randn(8, 1, generator=g)
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure)  # type: ignore[arg-type]
+
+
 def numpy_views(state: Any) -> list[Any]:
     """``.numpy()`` of every tensor numpy can hold: same bytes, writable, no copy."""
     out: list[Any] = []
@@ -362,6 +411,8 @@ CASES: dict[str, Callable[[Any], Any]] = {
     "model.load_state_dict (strict), optimizer.load_state_dict, step()": load_state_dict_then_step,
     "model.load_state_dict(assign=True), optimizer.load_state_dict, step()": load_state_dict_assign_then_step,
     "LR scheduler load_state_dict": scheduler_load_state_dict,
+    "sums and dot products of every float tensor": reductions,
+    "torch.optim.LBFGS load_state_dict, step()": lbfgs_load_state_dict_then_step,
     "GradScaler load_state_dict": grad_scaler_load_state_dict,
     ".numpy()": numpy_views,
     "resize_ of a small tensor": resize_of_a_small_tensor,
