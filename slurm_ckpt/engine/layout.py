@@ -17,12 +17,12 @@ small tensors are gathered through a bounce buffer (:func:`plan_writes`).
 
 The other tensors follow: first those whose size is a multiple of 64 bytes,
 then the rest by element size, largest first, as safetensors itself orders
-them. The phase is a multiple of 16 (of 64 for memory from torch's allocator),
-so every tensor's offset is a multiple of its element size, and each of the
-first kind starts at a multiple of 64 bytes: a reader can give it back aligned
-as torch's allocator aligns tensors (``buffers.TORCH_ALIGN``) without copying
-it. Nearly every tensor of a model has such a size (a row of 16 floats does);
-the reader copies the others to aligned memory.
+them. The phase is a multiple of 64 (else 0), so every tensor's offset is a
+multiple of its element size, and each of the first kind starts at a multiple
+of 64 bytes: a reader can give it back aligned as torch's allocator aligns
+tensors (``buffers.TORCH_ALIGN``) without copying it. Nearly every tensor of a
+model has such a size (a row of 16 floats does); the reader moves or copies
+the others to aligned memory.
 """
 
 from __future__ import annotations
@@ -82,7 +82,12 @@ def order_entries(entries: Sequence[TensorEntry]) -> list[TensorEntry]:
 
 
 def _phase(entries: Sequence[TensorEntry]) -> int:
-    """The in-page offset most of the large tensors' bytes sit at (0 if not a multiple of 16)."""
+    """The in-page offset most of the large tensors' bytes sit at (0 if not a multiple of 64).
+
+    Memory from numpy's allocator sits at 16: matching it would let a save write
+    from it in place, but put no tensor of the file at a 64-byte boundary, and a
+    load would then move or copy every one of them to align it.
+    """
     weight: Counter[int] = Counter()
     for e in entries:
         if e.nbytes >= _BIG:
@@ -90,7 +95,7 @@ def _phase(entries: Sequence[TensorEntry]) -> int:
     if not weight:
         return 0
     phase = weight.most_common(1)[0][0]
-    return phase if phase % 16 == 0 else 0
+    return phase if phase % TORCH_ALIGN == 0 else 0
 
 
 def plan_file(entries: Sequence[TensorEntry], metadata: dict[str, str] | None = None) -> FileImage:

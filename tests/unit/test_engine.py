@@ -226,6 +226,25 @@ def test_offsets_are_dtype_aligned_and_whole_rows_of_64_bytes_start_on_64(tmp_pa
     assert copied >= 10  # the odd sizes of mixed_state's small ones
 
 
+@pytest.mark.parametrize(("at", "data_at"), [(64, 64), (0, 0), (16, 0)])
+def test_the_file_follows_its_tensors_in_page_only_at_a_multiple_of_64(tmp_path: Path, at: int, data_at: int) -> None:
+    # Large tensors from torch's allocator sit 64 bytes past a page: the data then
+    # starts there too, and the writer sends them in place. numpy's sit at 16: at
+    # that phase no tensor of the file would be at a 64-byte boundary, and a load
+    # would move every one.
+    keep = [_guarded(1 << 21, at) for _ in range(2)]
+    enc = encode_state({"a": keep[0][1], "b": keep[1][1], "odd": torch.randn(3), "row": torch.randn(16)})
+    path = tmp_path / "x.safetensors"
+    rec = write_image(path, plan_file(enc.tensors))
+    (n,) = struct.unpack("<Q", path.read_bytes()[:8])
+    assert (8 + n) % 4096 == data_at
+    header = json.loads(path.read_bytes()[8 : 8 + n])
+    assert all(header[k]["data_offsets"][0] % 64 == 0 for k in ("a", "b", "row"))
+    got = read_tensor_file(path, rec)
+    assert all(t.data_ptr() % 64 == 0 for t in got.values())
+    assert torch.equal(got["a"], keep[0][1]) and torch.equal(got["odd"], enc.leaves["odd"])
+
+
 def torch_itemsize(name: str) -> int:
     from slurm_ckpt.store.codec import torch_dtype
 
