@@ -1,4 +1,4 @@
-"""Four trainers written the way their public originals are resume bit-exact under ``slurm-ckpt run``.
+"""Five trainers written the way their public originals are resume bit-exact under ``slurm-ckpt run``.
 
 Each trainer (``trainers/``) runs twice under ``slurm-ckpt run --local``, at
 the same time: once straight through, and once interrupted mid-epoch. The
@@ -35,6 +35,7 @@ TRAINERS = {
     "word_lm": (30, 17),  # 13 slices an epoch: epoch 2, slice 4
     "nanogpt_style": (30, 13),  # between evaluations, after a saving one
     "accelerate_style": (36, 17),  # 12 batches an epoch: epoch 2, batch 5
+    "time_sequence": (8, 4),  # L-BFGS: every step after the resume takes dot products of loaded tensors
 }
 
 

@@ -1,4 +1,4 @@
-"""What the four trainers share: arguments, the pause that lets a test interrupt at a
+"""What the trainers share: arguments, the pause that lets a test interrupt at a
 chosen step, and the result file a resumed run is compared on.
 
 The trainers themselves are written the way their public originals are (see
