@@ -38,7 +38,7 @@ from ..store.codec import decode_state, torch_dtype
 from ..store.fsutil import read_small
 from ..store.manifest import Manifest, is_chunked
 from ..store.shards import shard_name
-from ..store.writer import OBJECTS_FILE, STATE_FILE
+from ..store.writer import OBJECTS_FILE, STATE_FILE, refuse_meta
 from .parts import PER_RANK, Ranks, refs, split
 
 if TYPE_CHECKING:
@@ -248,6 +248,7 @@ def _target(ckpt: Path, key: str, entry: dict[str, Any], into: dict[str, Any], d
     t = into.get(key)
     if t is None:
         return torch.empty(shape, dtype=torch_dtype(entry["dtype"]), device=device)
+    refuse_meta(ckpt, key, t)
     if list(t.shape) != shape:
         raise ValueError(f"cannot load {key!r} of {ckpt} into the tensor given for it: the checkpoint holds "
                          f"shape {shape}, the tensor is {list(t.shape)}; pass a matching state or load without into=")  # fmt: skip

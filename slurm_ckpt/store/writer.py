@@ -25,6 +25,7 @@ __all__ = [
     "STATE_FILE",
     "ReadFn",
     "load_state",
+    "refuse_meta",
     "small_files",
     "tensor_file_name",
     "tensor_index",
@@ -140,6 +141,17 @@ def load_state(
                         restore_device=map_location is None, into=targets)  # fmt: skip
 
 
+def refuse_meta(ckpt: Path, key: str, t: Any) -> None:
+    """A tensor on the meta device has no memory: copying into it does nothing, and
+    a load into it would hand it back unchanged."""
+    if t.is_meta:
+        raise ValueError(
+            f"cannot load {key!r} of {ckpt} into a tensor on the meta device, which has no memory: "
+            "load without into= and pass the result to model.load_state_dict(..., assign=True), "
+            "or materialize the model first (model.to_empty(device='cpu'))"
+        )
+
+
 def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict[str, Any], set[str]]:
     """The tensors of ``into`` by key, each checked against the saved tensor at its place,
     and the keys of those stored whole (which a reader may fill in place)."""
@@ -157,6 +169,7 @@ def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict
             "load with into={'model': model.state_dict()})"
         )
     for key, t in targets.items():
+        refuse_meta(ckpt, key, t)
         view = saved[key]
         info = view if view is not None else man.tensors.get(key, {})
         want = (info.get("dtype"), list(info.get("shape", [])))

@@ -156,6 +156,20 @@ def test_into_refuses_a_view_of_another_shape_before_reading(tmp_path: Path) -> 
     assert not mine.any()
 
 
+def test_into_a_model_on_the_meta_device_is_refused_with_the_way_to_load_it(tmp_path: Path) -> None:
+    # Copying into a meta tensor does nothing, so the load handed the model's meta
+    # tensors back unchanged, with no error until the model was used.
+    model = torch.nn.Linear(300, 400)
+    saved({"model": model.state_dict()}, tmp_path)
+    with torch.device("meta"):
+        meta = torch.nn.Linear(300, 400)
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        with pytest.raises(ValueError, match=r"'model/weight'.*meta device.*assign=True.*to_empty"):
+            ck.load_latest(into={"model": meta.state_dict()})
+        meta.load_state_dict(ck.load_latest()["model"], assign=True)  # the way the message names
+    assert torch.equal(meta.weight, model.weight) and not meta.weight.is_meta
+
+
 def gpu_made(tmp_path: Path) -> Path:
     """A checkpoint as a GPU node writes it: tensors recorded on ``cuda:0``."""
     buf = torch.arange(10.0)

@@ -84,6 +84,8 @@ def test_into_that_does_not_match_is_refused_before_reading(run_dir: Path) -> No
         sharded.load(run_dir, into={"model": {"extra": torch.zeros(2)}})
     with pytest.raises(ValueError, match=r"shape \[40, 30\], the tensor is \[30, 40\]"):
         sharded.load(run_dir, into={"model": {"w": torch.zeros(30, 40)}})
+    with pytest.raises(ValueError, match=r"'model.w'.*meta device.*assign=True"):
+        sharded.load(run_dir, into={"model": {"w": torch.zeros(40, 30, device="meta")}})
 
 
 class Opaque:
