@@ -244,8 +244,12 @@ class Engine:
         """
         if into is not None and mmap:
             raise ValueError("into= and mmap=True do not mix: mmap maps the file, into= reads into your tensors")
+        import torch
+
         read = functools.partial(read_tensor_file, threads=self.threads, chunk=self.cfg.chunk_size, use_mmap=mmap)
-        with gc_paused():
+        # no_grad: into= may hold parameters, which need grad (named_parameters()),
+        # and are copied into as load_state_dict copies into them.
+        with gc_paused(), torch.no_grad():
             return load_state(ckpt, man, map_location=map_location, trusted=trusted, read=read, into=into)
 
 

@@ -170,6 +170,20 @@ def test_into_a_model_on_the_meta_device_is_refused_with_the_way_to_load_it(tmp_
     assert torch.equal(meta.weight, model.weight) and not meta.weight.is_meta
 
 
+def test_into_the_model_s_parameters_loads_them_as_load_state_dict_does(tmp_path: Path) -> None:
+    # dict(model.named_parameters()) holds leaves that need grad: copying into one
+    # outside no_grad raises, as it would for a trainer's own copy_.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Linear(600, 3))  # one read in place, others copied
+    saved({"model": model.state_dict()}, tmp_path)
+    fresh = torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Linear(600, 3))
+    params = dict(fresh.named_parameters())
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        got = ck.load_latest(into={"model": params})
+    for name, p in fresh.named_parameters():
+        assert got["model"][name] is p and p.requires_grad and torch.equal(p, model.state_dict()[name])
+
+
 def gpu_made(tmp_path: Path) -> Path:
     """A checkpoint as a GPU node writes it: tensors recorded on ``cuda:0``."""
     buf = torch.arange(10.0)
