@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from .store.commit import WriteFn
 from .store.manifest import is_chunked
 from .store.retention import reaped
 from .store.tiers import Tiers
+from .store.writer import devices
 
 __all__ = ["Checkpointer", "SaveHandle"]
 
@@ -313,7 +315,10 @@ class Checkpointer:
         Tensors come back as ``torch.load`` gives them: storages shared where
         they were, offsets, strides, parameters and devices as saved (without
         ``map_location``, a tensor saved on a GPU goes back to it).
-        ``mmap=True`` maps the data files instead of reading them (zero-copy).
+        ``map_location`` takes what ``torch.load``'s does: a device for every
+        tensor, or a dict from saved device to device (``{"cuda:0": "cuda:1"}``);
+        not a function. ``mmap=True`` maps the data files instead of reading them
+        (zero-copy).
 
         ``into``: a state shaped like the saved one, e.g. ``{"model":
         model.state_dict(), ...}``; its tensors are loaded into in place, and the
@@ -327,12 +332,16 @@ class Checkpointer:
         what was read).
         """
         self._check_open()
+        devices(map_location)  # a function is refused before anything is read
 
         def load_state(p: Path, m: Any, *, map_location: Any, trusted: bool) -> Any:
             with self.metrics.time_load() as loaded:
                 if is_chunked(m):  # DTensor states: every rank its parts, at any world size
                     from .sharded.loader import load_checkpoint
 
+                    if isinstance(map_location, Mapping):  # its chunks keep no device to map from
+                        raise ValueError(f"{p} holds sharded (DTensor) states, which load onto one device: pass "
+                                         "map_location as a device (map_location='cuda:0'), or into=")  # fmt: skip
                     state = load_checkpoint(p, m, into=into, group=self.placement.group, trusted=trusted,
                                             device=map_location, config=self.config)  # fmt: skip
                 else:

@@ -446,14 +446,16 @@ def decode_state(
     *,
     trusted: bool = False,
     restore_device: bool = False,
+    remap: Mapping[str, str] | None = None,
     into: Mapping[str, Any] | None = None,
 ) -> Any:
     """Rebuild a state from its JSON tree; ``load_tensor(key)`` returns a data-file entry.
 
     ``restore_device``: put tensors saved on a device back on it, as
-    ``torch.load`` does without ``map_location``. ``into``: tensors by key to
-    copy the loaded values into and return instead (those the reader already
-    filled in place come back as they are).
+    ``torch.load`` does without ``map_location``; with ``remap`` (saved device
+    -> device, as ``torch.load``'s ``map_location`` dict), on the device it names
+    instead. ``into``: tensors by key to copy the loaded values into and return
+    instead (those the reader already filled in place come back as they are).
     """
     tensors: dict[str, Any] = {}
     views: dict[str, Any] = {}
@@ -483,13 +485,17 @@ def decode_state(
         base = tensor(rec["of"])
         if not base.is_contiguous():  # an into= tensor copied into, not laid out as the storage
             base = base.contiguous()
-        device = rec.get("device")
-        # A view copied into an into= tensor stays where it is read: the copy moves it.
-        if restore_device and device is not None and str(base.device) != device and rec["key"] not in targets:
-            if (rec["of"], device) not in moved:
-                moved[rec["of"], device] = _to_device(base, device, rec["key"])
-            base = moved[rec["of"], device]
-        return base
+        return placed(rec["of"], base, rec.get("device", "cpu"), rec["key"])
+
+    def placed(entry: str, base: Any, saved: str, key: str) -> Any:
+        """Data-file entry ``entry`` (``base``) on the device a tensor saved on ``saved`` goes to."""
+        device = (remap or {}).get(saved, saved)
+        # A tensor copied into an into= tensor stays where it is read: the copy moves it.
+        if not restore_device or str(base.device) == device or key in targets:
+            return base
+        if (entry, device) not in moved:
+            moved[entry, device] = _to_device(base, device, key)
+        return moved[entry, device]
 
     def array(key: str) -> Any:
         if key not in arrays:
@@ -504,8 +510,8 @@ def decode_state(
             return obj
         if len(obj) == 1:
             (tag, val), = obj.items()
-            if tag == "$t":
-                return filled(val, tensor(val))
+            if tag == "$t":  # saved on the CPU
+                return filled(val, placed(val, tensor(val), "cpu", val))
             if tag == "$view":
                 return view(val)
             if tag == "$np":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import pickle
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,8 @@ def load_state(
 
     ``read`` reads one data file (``slurm_ckpt.engine`` passes its parallel reader).
     Without ``map_location`` a tensor saved on a device goes back to it, as with
-    ``torch.load``. ``into``: a state shaped like the saved one; its tensors get
+    ``torch.load``; a device puts every tensor there, a dict ``{saved: device}``
+    moves those saved on the devices it names. ``into``: a state shaped like the saved one; its tensors get
     the saved values and the returned state holds them. A tensor of ``into`` that
     the checkpoint lacks, or whose dtype or shape differs, is a ``ValueError``
     before anything is read.
@@ -116,6 +117,7 @@ def load_state(
     except OSError as e:
         raise storage_error(e, "cannot read state", ckpt / STATE_FILE) from e
     targets, whole = _into_targets(ckpt, man, tree, into)
+    device, remap = devices(map_location)
     by_file: dict[str, list[str]] = {}
     for key, info in man.tensors.items():
         by_file.setdefault(info["file"], []).append(key)
@@ -124,7 +126,7 @@ def load_state(
         if fname not in man.files:
             raise CheckpointCorrupt(f"{ckpt}: tensor file {fname} not in manifest", ckpt / fname)
         mine = {k: targets[k] for k in keys if k in whole}  # views are filled when decoded
-        tensors.update(read(ckpt / fname, man.files[fname], device=map_location, into=mine))
+        tensors.update(read(ckpt / fname, man.files[fname], device=device, into=mine))
 
     def load_tensor(key: str) -> Any:
         try:
@@ -138,7 +140,22 @@ def load_state(
             "pass trusted=True only if you trust who wrote it"
         )
     return decode_state(tree, load_tensor, lambda: (ckpt / OBJECTS_FILE).read_bytes(), trusted=trusted,
-                        restore_device=map_location is None, into=targets)  # fmt: skip
+                        restore_device=device is None, remap=remap, into=targets)  # fmt: skip
+
+
+def devices(map_location: Any) -> tuple[Any, dict[str, str] | None]:
+    """``map_location`` as (the device every tensor goes to, or None; saved device ->
+    device, or None), taking what ``torch.load`` takes but its storage hooks."""
+    if map_location is None:
+        return None, None
+    if isinstance(map_location, Mapping):
+        return None, {str(k): str(v) for k, v in map_location.items()}
+    if callable(map_location):
+        raise ValueError(
+            "map_location as a function (torch.load's hook on each storage) is not supported: pass a "
+            "device (map_location='cpu'), or a dict from saved device to device ({'cuda:0': 'cuda:1'})"
+        )
+    return map_location, None
 
 
 def refuse_meta(ckpt: Path, key: str, t: Any) -> None:

@@ -206,6 +206,30 @@ def test_a_tensor_saved_on_a_gpu_loads_on_a_cpu_only_node_with_map_location(tmp_
     assert got["v"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a CPU-only process gives")
+def test_map_location_takes_a_dict_from_saved_device_to_device_as_torch_load_does(tmp_path: Path) -> None:
+    # As the DDP tutorial loads: map_location={"cuda:0": f"cuda:{rank}"}.
+    path = gpu_made(tmp_path)
+    man = verify_checkpoint(path)
+    got = Engine().load(path, man, map_location={"cuda:0": "cpu"})
+    assert got["w"].device.type == "cpu" and torch.equal(got["v"], torch.arange(2.0, 5.0))
+    assert got["v"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match=r"saved on cuda:0.*map_location"):
+        Engine().load(path, man, map_location={"cuda:1": "cpu"})  # names another device: cuda:0 stays
+    with pytest.raises(ValueError, match=r"map_location as a function .* not supported: pass a device"):
+        Engine().load(path, man, map_location=lambda storage, loc: storage)
+
+
+def test_map_location_dict_moves_what_was_saved_on_the_cpu_only_if_it_names_the_cpu(tmp_path: Path) -> None:
+    state = views_state()
+    path, man = saved(state, tmp_path)
+    kept = Engine().load(path, man, map_location={"cuda:0": "cuda:1"})
+    assert {t.device.type for _, t in tensors(kept)} == {"cpu"} and state_digest(kept) == state_digest(state)
+    moved = Engine().load(path, man, map_location={"cpu": "meta"})  # a device every torch has
+    assert {t.device.type for _, t in tensors(moved)} == {"meta"}
+    assert moved["head"].untyped_storage()._cdata == moved["buf"].untyped_storage()._cdata  # moved once, shared
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_tensors_saved_on_a_gpu_come_back_there_sharing_as_saved(tmp_path: Path) -> None:
