@@ -26,6 +26,10 @@ cannot say natively are tagged objects with a single ``$``-key:
 ``{"$odict": []}``  an ``OrderedDict`` (a model's state_dict), as ``[dict, metadata]``:
                     the dict as above, and its ``_metadata`` (the module versions
                     ``load_state_dict`` passes on) or null
+``{"$counter": d}`` a ``Counter``, its dict as above
+``{"$defaultdict":  a ``defaultdict`` whose ``default_factory`` is a builtin type
+[factory, d]}``     (``"list"``) or None; one of another factory is stored as a
+                    plain dict, as are other dict subclasses (with a warning)
 ``{"$bytes": b64}`` bytes
 ``{"$float": s}``   ``nan``, ``inf`` or ``-inf``
 ``{"$int": hex}``   an int too big for a JSON number (Python refuses to print
@@ -51,7 +55,8 @@ import functools
 import math
 import pickle
 import sys
-from collections import OrderedDict
+import warnings
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -300,8 +305,16 @@ def encode_state(
             if isinstance(obj, OrderedDict):
                 meta = getattr(obj, "_metadata", None)
                 return {"$odict": [body, None if meta is None else enc(meta, f"{path}/$metadata")]}
+            if type(obj) is Counter:
+                return {"$counter": body}
+            if type(obj) is defaultdict and obj.default_factory in _FACTORIES:
+                return {"$defaultdict": [_FACTORIES[obj.default_factory], body]}
+            if type(obj) is not dict:
+                _stored_plain(obj, path)
             return body
         if isinstance(obj, list):
+            if type(obj) is not list:
+                _stored_plain(obj, path)
             return [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]
         if isinstance(obj, tuple) and type(obj) is tuple:
             return {"$tuple": [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]}
@@ -360,6 +373,31 @@ def _store(group: list[_Leaf], entry: Callable[[str, Any], None]) -> None:
         if isinstance(t, _torch().nn.Parameter):
             view["parameter"] = True
         leaf.ref["$view"] = view
+
+
+_FACTORIES: dict[Any, str | None] = {None: None, list: "list", dict: "dict", set: "set", int: "int",
+                                     float: "float", str: "str", tuple: "tuple", bool: "bool"}  # fmt: skip
+"""The ``default_factory`` of a ``defaultdict`` that ``$defaultdict`` keeps, by name."""
+_FACTORY_BY_NAME = {name: f for f, name in _FACTORIES.items()}
+
+
+def _stored_plain(obj: Any, path: str) -> None:
+    base = "dict" if isinstance(obj, dict) else "list"
+    if isinstance(obj, defaultdict):
+        what = f"a defaultdict whose default_factory ({obj.default_factory!r}) is not a builtin type"
+    else:
+        what = f"{type(obj).__qualname__}, a {base} subclass,"
+    warnings.warn(f"{path or '/'}: {what} is stored as a plain {base}, and loads as one", UserWarning, stacklevel=2)
+
+
+def _dict_of_kind(tag: str, val: Any, dec: Callable[[Any], Any]) -> Any:
+    """The ``Counter`` or ``defaultdict`` a ``$counter`` or ``$defaultdict`` tag holds."""
+    name, body = val if tag == "$defaultdict" and isinstance(val, list) and len(val) == 2 else (None, val)
+    items = dec(body)
+    if not isinstance(items, dict) or (tag == "$defaultdict" and (not isinstance(name, str | None)
+                                                                  or name not in _FACTORY_BY_NAME)):  # fmt: skip
+        raise CheckpointCorrupt(f"state.json: a bad {tag[1:]} {val!r:.80}")
+    return Counter(items) if tag == "$counter" else defaultdict(_FACTORY_BY_NAME[name], items)
 
 
 _NP_SCALAR_KINDS = "biufcmM"
@@ -530,6 +568,8 @@ def decode_state(
                 return complex(_number(val[0]), _number(val[1]))
             if tag == "$items":
                 return {_hashable(dec(k)): dec(v) for k, v in val}
+            if tag in ("$counter", "$defaultdict"):
+                return _dict_of_kind(tag, val, dec)
             if tag == "$odict":
                 body, meta = val
                 od = OrderedDict(dec(body))

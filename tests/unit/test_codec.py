@@ -6,6 +6,7 @@ import json
 import math
 import struct
 import tempfile
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,32 @@ def test_every_dtype_and_shape_kind_explicitly() -> None:
     assert_same({k: v for k, v in state.items() if k != "dtype"}, {k: v for k, v in out.items() if k != "dtype"})
 
 
+class Config(dict):  # as attribute-access dicts are written
+    def __getattr__(self, key: str) -> Any:
+        return self[key]
+
+
+def test_counters_and_defaultdicts_keep_their_type_other_subclasses_warn() -> None:
+    metrics: defaultdict[str, list[float]] = defaultdict(list, loss=[0.5])
+    state = {"seen": Counter("aab"), "metrics": metrics, "nested": defaultdict(dict, {1: {"a": Counter()}}),
+             "none": defaultdict(None, a=1)}  # fmt: skip
+    out = round_trip(state)
+    assert_same(state, out)
+    assert out["metrics"].default_factory is list and out["metrics"]["new"] == []  # goes on as it did
+    assert out["seen"]["c"] == 0 and out["none"].default_factory is None
+    odd = {"cfg": Config(lr=0.1), "counts": defaultdict(lambda: 0, a=1), "rows": type("Rows", (list,), {})([1])}
+    with pytest.warns(UserWarning) as seen:
+        out = round_trip(odd)
+    assert sorted(str(w.message) for w in seen) == [
+        "/cfg: Config, a dict subclass, is stored as a plain dict, and loads as one",
+        "/counts: a defaultdict whose default_factory (<function "
+        + repr(odd["counts"].default_factory).split("<function ")[1]
+        + ") is not a builtin type is stored as a plain dict, and loads as one",
+        "/rows: Rows, a list subclass, is stored as a plain list, and loads as one",
+    ]
+    assert out == {"cfg": {"lr": 0.1}, "counts": {"a": 1}, "rows": [1]} and type(out["cfg"]) is dict
+
+
 def test_a_numpy_scalar_resumes_the_arithmetic_it_was_saved_in() -> None:
     # A loss average kept in float32, as np.mean of a float32 array gives it: read
     # back as a Python float, the next updates would round to float64 instead.
@@ -240,6 +267,7 @@ def test_numpy_scalars_keep_readable_values_in_state_json(tmp_path: Path) -> Non
     {"$npscalar": ["<m8[s]", 5]}, {"$npscalar": ["<f4", {"x": 1}]}, {"$npscalar": ["<f4", {"$bytes": "AAA="}]},
     {"$npscalar": ["<f4"]}, {"$npscalar": [{"a": 1}, 1]}, {"$npscalar": ["O", 1]}, {"$npscalar": ["nonsense", 1]},
     {"$complex": [{"$complex": [1, 2]}, 3]}, {"$complex": ["1", 2]}, {"$complex": [1]},
+    {"$defaultdict": ["os.system", {}]}, {"$defaultdict": [{}]}, {"$defaultdict": ["list", [1]]}, {"$counter": [1, 1]},
 ])  # fmt: skip
 def test_a_malformed_tag_is_a_corrupt_checkpoint(tag: dict[str, Any]) -> None:
     # state.json is checksummed, so only a writer set on it gets here; its load must
