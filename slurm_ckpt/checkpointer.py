@@ -24,7 +24,7 @@ from .store.commit import WriteFn
 from .store.manifest import is_chunked
 from .store.retention import reaped
 from .store.tiers import Tiers
-from .store.writer import devices
+from .store.writer import placement
 
 __all__ = ["Checkpointer", "SaveHandle"]
 
@@ -324,15 +324,15 @@ class Checkpointer:
         model.state_dict(), ...}``; its tensors are loaded into in place, and the
         returned state holds them. Large CPU tensors are read straight into their
         memory: no second copy of the state, no fresh memory. A tensor of ``into``
-        that the checkpoint lacks, or whose dtype or shape differs, raises
-        ``ValueError`` before anything is read; a checkpoint tensor that ``into``
+        that the checkpoint lacks, whose dtype or shape differs, or on the meta
+        device, raises ``ValueError`` before anything is read; a checkpoint tensor that ``into``
         lacks is loaded into fresh memory. If a checkpoint fails its checksum,
         tensors already read hold part of it until an older checkpoint is loaded
         over them (and if no valid one is left, this returns None and they keep
         what was read).
         """
         self._check_open()
-        devices(map_location)  # a function is refused before anything is read
+        placement(map_location)  # a function is refused before anything is read
 
         def load_state(p: Path, m: Any, *, map_location: Any, trusted: bool) -> Any:
             with self.metrics.time_load() as loaded:

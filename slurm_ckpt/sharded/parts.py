@@ -69,10 +69,11 @@ class Split:
     objects: list[Any]
 
 
-def split(state: Any, *, allow_pickle: bool = False) -> Split:
+def split(state: Any, *, allow_pickle: bool = False, warn: bool = True) -> Split:
     """The state's values as a JSON tree whose tensors are ``{"$t": key}`` references.
 
-    The same tensor object at two places (tied weights) is one key.
+    The same tensor object at two places (tied weights) is one key. ``warn``: as
+    :func:`~slurm_ckpt.store.codec.encode_state`'s.
     """
     tensors: dict[str, Any] = {}
     by_id: dict[int, str] = {}
@@ -88,7 +89,7 @@ def split(state: Any, *, allow_pickle: bool = False) -> Split:
         by_id[id(t)] = key
         return key
 
-    enc = encode_state(state, allow_pickle=allow_pickle, refer=refer)
+    enc = encode_state(state, allow_pickle=allow_pickle, refer=refer, warn=warn)
     return Split(enc.tree, tensors, enc.objects)
 
 

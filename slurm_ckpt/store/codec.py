@@ -29,7 +29,8 @@ cannot say natively are tagged objects with a single ``$``-key:
 ``{"$counter": d}`` a ``Counter``, its dict as above
 ``{"$defaultdict":  a ``defaultdict`` whose ``default_factory`` is a builtin type
 [factory, d]}``     (``"list"``) or None; one of another factory is stored as a
-                    plain dict, as are other dict subclasses (with a warning)
+                    plain dict, as are other dict subclasses (an ``OrderedDict``
+                    subclass as an ``OrderedDict``), with a warning
 ``{"$bytes": b64}`` bytes
 ``{"$float": s}``   ``nan``, ``inf`` or ``-inf``
 ``{"$int": hex}``   an int too big for a JSON number (Python refuses to print
@@ -190,8 +191,12 @@ def encode_state(
     allow_pickle: bool = False,
     prepare: Callable[[Any], Any] | None = None,
     refer: Callable[[Any, str], str] | None = None,
+    warn: bool = True,
 ) -> EncodedState:
     """Split ``state`` into a JSON tree and a list of data-file entries.
+
+    ``warn``: say, once, which dict and list subclasses were stored as plain
+    ones (off where a state is encoded to be matched, not stored).
 
     ``prepare`` maps each entry's tensor to the CPU contiguous tensor that will
     be written (the engine passes its staging copy here); by default tensors are
@@ -202,6 +207,7 @@ def encode_state(
     to it by: the sharded path (``slurm_ckpt.sharded``) stores them itself.
     """
     out = EncodedState(tree=None)
+    plain: list[str] = []  # paths of dict and list subclasses stored as plain ones
     torch_mod = sys.modules.get("torch")  # no tensor without it
     tensor_type, strided = getattr(torch_mod, "Tensor", None), getattr(torch_mod, "strided", None)
     memo: dict[int, dict[str, Any]] = {}  # id(tensor or array) -> its tag object
@@ -302,19 +308,19 @@ def encode_state(
             else:
                 body = {"$items": [[enc(k, f"{path}/$key"), enc(v, f"{path}/{_escape(str(k))}")]
                                    for k, v in obj.items()]}  # fmt: skip
+            if type(obj) is Counter:
+                return {"$counter": body}
+            if type(obj) is defaultdict and _factory_kept(obj.default_factory):
+                return {"$defaultdict": [_FACTORIES[obj.default_factory], body]}
+            if type(obj) not in (dict, OrderedDict):
+                plain.append(_plain_note(obj, path))
             if isinstance(obj, OrderedDict):
                 meta = getattr(obj, "_metadata", None)
                 return {"$odict": [body, None if meta is None else enc(meta, f"{path}/$metadata")]}
-            if type(obj) is Counter:
-                return {"$counter": body}
-            if type(obj) is defaultdict and obj.default_factory in _FACTORIES:
-                return {"$defaultdict": [_FACTORIES[obj.default_factory], body]}
-            if type(obj) is not dict:
-                _stored_plain(obj, path)
             return body
         if isinstance(obj, list):
             if type(obj) is not list:
-                _stored_plain(obj, path)
+                plain.append(_plain_note(obj, path))
             return [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]
         if isinstance(obj, tuple) and type(obj) is tuple:
             return {"$tuple": [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]}
@@ -331,6 +337,10 @@ def encode_state(
     out.tree = enc(state, "")
     for group in storages.values():
         _store(group, entry)
+    if plain and warn:
+        more = f" (and {len(plain) - 3} more)" if len(plain) > 3 else ""
+        warnings.warn(f"stored as plain ones, these load as such: {'; '.join(plain[:3])}{more}", UserWarning,
+                      stacklevel=3)  # fmt: skip
     return out
 
 
@@ -381,13 +391,16 @@ _FACTORIES: dict[Any, str | None] = {None: None, list: "list", dict: "dict", set
 _FACTORY_BY_NAME = {name: f for f, name in _FACTORIES.items()}
 
 
-def _stored_plain(obj: Any, path: str) -> None:
-    base = "dict" if isinstance(obj, dict) else "list"
+def _factory_kept(factory: Any) -> bool:
+    return factory is None or (isinstance(factory, type) and factory in _FACTORIES)
+
+
+def _plain_note(obj: Any, path: str) -> str:
+    """What :func:`encode_state` says of a dict or list subclass it stores as a plain one."""
+    base = "OrderedDict" if isinstance(obj, OrderedDict) else "dict" if isinstance(obj, dict) else "list"
     if isinstance(obj, defaultdict):
-        what = f"a defaultdict whose default_factory ({obj.default_factory!r}) is not a builtin type"
-    else:
-        what = f"{type(obj).__qualname__}, a {base} subclass,"
-    warnings.warn(f"{path or '/'}: {what} is stored as a plain {base}, and loads as one", UserWarning, stacklevel=2)
+        return f"{path or '/'}: a defaultdict of {obj.default_factory!r}, not a builtin type, as a dict"
+    return f"{path or '/'}: a {type(obj).__qualname__} as a {base}"
 
 
 def _dict_of_kind(tag: str, val: Any, dec: Callable[[Any], Any]) -> Any:
@@ -483,17 +496,16 @@ def decode_state(
     objects_blob: Callable[[], bytes] | None,
     *,
     trusted: bool = False,
-    restore_device: bool = False,
-    remap: Mapping[str, str] | None = None,
+    place: Callable[[str], str] | None = None,
     into: Mapping[str, Any] | None = None,
 ) -> Any:
     """Rebuild a state from its JSON tree; ``load_tensor(key)`` returns a data-file entry.
 
-    ``restore_device``: put tensors saved on a device back on it, as
-    ``torch.load`` does without ``map_location``; with ``remap`` (saved device
-    -> device, as ``torch.load``'s ``map_location`` dict), on the device it names
-    instead. ``into``: tensors by key to copy the loaded values into and return
-    instead (those the reader already filled in place come back as they are).
+    ``place(saved device)``: the device a tensor saved there goes to (a
+    ``map_location``); None leaves every tensor where it was read. Numpy
+    arrays stay in host memory. ``into``: tensors by key to copy the loaded
+    values into and return instead (those the reader already filled in place
+    come back as they are).
     """
     tensors: dict[str, Any] = {}
     views: dict[str, Any] = {}
@@ -527,12 +539,14 @@ def decode_state(
 
     def placed(entry: str, base: Any, saved: str, key: str) -> Any:
         """Data-file entry ``entry`` (``base``) on the device a tensor saved on ``saved`` goes to."""
-        device = (remap or {}).get(saved, saved)
         # A tensor copied into an into= tensor stays where it is read: the copy moves it.
-        if not restore_device or str(base.device) == device or key in targets:
+        if place is None or key in targets:
+            return base
+        device = place(saved)
+        if str(base.device) == device:
             return base
         if (entry, device) not in moved:
-            moved[entry, device] = _to_device(base, device, key)
+            moved[entry, device] = _to_device(base, device, key, saved)
         return moved[entry, device]
 
     def array(key: str) -> Any:
@@ -625,13 +639,14 @@ def _rebuild(rec: dict[str, Any], base: Any) -> Any:
     return t
 
 
-def _to_device(t: Any, device: str, key: str) -> Any:
+def _to_device(t: Any, device: str, key: str, saved: str) -> Any:
     try:
         return t.to(device)
     except (RuntimeError, AssertionError) as e:
+        where = f"saved on {device}" if saved == device else f"saved on {saved}, to go to {device}"
         raise ValueError(
-            f"tensor {key!r} was saved on {device}, which this process cannot use ({e}); "
-            "pass map_location (e.g. map_location='cpu') to load the checkpoint onto another device"
+            f"tensor {key!r} was {where}, which this process cannot use ({e}); pass map_location "
+            "(e.g. map_location='cpu') to load the checkpoint onto a device it has"
         ) from None
 
 

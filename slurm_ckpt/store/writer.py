@@ -99,8 +99,8 @@ def load_state(
     ``torch.load``; a device puts every tensor there, a dict ``{saved: device}``
     moves those saved on the devices it names. ``into``: a state shaped like the saved one; its tensors get
     the saved values and the returned state holds them. A tensor of ``into`` that
-    the checkpoint lacks, or whose dtype or shape differs, is a ``ValueError``
-    before anything is read.
+    the checkpoint lacks, whose dtype or shape differs, or on the meta device, is a
+    ``ValueError`` before anything is read.
     """
     if man.extra.get("layout") == "dcp":
         # Its tensor index holds global shapes and chunks, not whole tensors by file.
@@ -117,7 +117,7 @@ def load_state(
     except OSError as e:
         raise storage_error(e, "cannot read state", ckpt / STATE_FILE) from e
     targets, whole = _into_targets(ckpt, man, tree, into)
-    device, remap = devices(map_location)
+    place = placement(map_location)
     by_file: dict[str, list[str]] = {}
     for key, info in man.tensors.items():
         by_file.setdefault(info["file"], []).append(key)
@@ -126,7 +126,7 @@ def load_state(
         if fname not in man.files:
             raise CheckpointCorrupt(f"{ckpt}: tensor file {fname} not in manifest", ckpt / fname)
         mine = {k: targets[k] for k in keys if k in whole}  # views are filled when decoded
-        tensors.update(read(ckpt / fname, man.files[fname], device=device, into=mine))
+        tensors.update(read(ckpt / fname, man.files[fname], into=mine))  # to host memory: decode places them
 
     def load_tensor(key: str) -> Any:
         try:
@@ -140,22 +140,25 @@ def load_state(
             "pass trusted=True only if you trust who wrote it"
         )
     return decode_state(tree, load_tensor, lambda: (ckpt / OBJECTS_FILE).read_bytes(), trusted=trusted,
-                        restore_device=device is None, remap=remap, into=targets)  # fmt: skip
+                        place=place, into=targets)  # fmt: skip
 
 
-def devices(map_location: Any) -> tuple[Any, dict[str, str] | None]:
-    """``map_location`` as (the device every tensor goes to, or None; saved device ->
-    device, or None), taking what ``torch.load`` takes but its storage hooks."""
+def placement(map_location: Any) -> Callable[[str], str]:
+    """Where a tensor saved on a device goes, as ``torch.load``'s ``map_location`` says:
+    back there (None), onto one device, or as a dict from saved device to device; not
+    its hooks on each storage, a function."""
     if map_location is None:
-        return None, None
+        return lambda saved: saved
     if isinstance(map_location, Mapping):
-        return None, {str(k): str(v) for k, v in map_location.items()}
+        remap = {str(k): str(v) for k, v in map_location.items()}
+        return lambda saved: remap.get(saved, saved)
     if callable(map_location):
         raise ValueError(
             "map_location as a function (torch.load's hook on each storage) is not supported: pass a "
             "device (map_location='cpu'), or a dict from saved device to device ({'cuda:0': 'cuda:1'})"
         )
-    return map_location, None
+    device = str(map_location)
+    return lambda saved: device
 
 
 def refuse_meta(ckpt: Path, key: str, t: Any) -> None:
@@ -176,7 +179,7 @@ def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict
         return {}, set()
     # A tensor that matches nothing would silently keep its old values, and a
     # trainer that relies on into= would train on from them: refuse up front.
-    targets = encode_state(into, allow_pickle=True, prepare=lambda t: t).leaves
+    targets = encode_state(into, allow_pickle=True, prepare=lambda t: t, warn=False).leaves
     saved = tensor_refs(tree)
     missing = sorted(set(targets) - set(saved))
     if missing:

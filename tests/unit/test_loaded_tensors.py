@@ -227,6 +227,10 @@ def test_map_location_dict_moves_what_was_saved_on_the_cpu_only_if_it_names_the_
     assert {t.device.type for _, t in tensors(kept)} == {"cpu"} and state_digest(kept) == state_digest(state)
     moved = Engine().load(path, man, map_location={"cpu": "meta"})  # a device every torch has
     assert {t.device.type for _, t in tensors(moved)} == {"meta"}
+    path, man = saved({"w": torch.ones(3), "a": np.arange(4.0)}, tmp_path / "np")
+    for where in ("meta", {"cpu": "meta"}):  # numpy arrays stay in host memory, as torch.load leaves them
+        got = Engine().load(path, man, map_location=where)
+        assert got["w"].is_meta and isinstance(got["a"], np.ndarray) and (got["a"] == np.arange(4.0)).all()
     assert moved["head"].untyped_storage()._cdata == moved["buf"].untyped_storage()._cdata  # moved once, shared
 
 
