@@ -100,11 +100,9 @@ def test_every_tensor_starts_on_64_bytes_as_torch_load_s_do(tmp_path: Path, mmap
 
 @pytest.mark.parametrize("fixture", ["format1", "format2"])
 def test_tensors_of_files_laid_out_before_start_on_64_bytes_too(tmp_path: Path, fixture: str) -> None:
-    shutil.copytree(DATA / fixture, tmp_path / "run")
-    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
-        for mmap in (False, True):
-            got = ck.load_latest(mmap=mmap)
-            assert set(starts(got).values()) == {0}, mmap
+    for mmap in (False, True):
+        got, _ = load_fixture(fixture, tmp_path, mmap=mmap)
+        assert set(starts(got).values()) == {0}, mmap
 
 
 def test_views_of_one_storage_are_stored_once_in_a_plain_safetensors_file(tmp_path: Path) -> None:
@@ -248,12 +246,18 @@ def test_tensors_saved_on_a_gpu_come_back_there_sharing_as_saved(tmp_path: Path)
     assert moved["row"].untyped_storage().data_ptr() == moved["w"].untyped_storage().data_ptr()
 
 
+def load_fixture(name: str, tmp_path: Path, **load: Any) -> tuple[Any, int | None]:
+    """The committed checkpoint ``data/<name>``, of an earlier format, and its step, as a trainer loads it."""
+    if not (tmp_path / "run").exists():
+        shutil.copytree(DATA / name, tmp_path / "run")
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        return ck.load_latest(**load), ck.loaded_step
+
+
 def test_a_format_1_checkpoint_still_loads(tmp_path: Path) -> None:
     # Written by the release before storages were kept (tests/unit/data/format1).
-    shutil.copytree(DATA / "format1", tmp_path / "run")
-    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
-        got = ck.load_latest()
-        assert ck.loaded_step == 7
+    got, step = load_fixture("format1", tmp_path)
+    assert step == 7
     want = format1_state()
     assert torch.equal(got["model"]["w"], want["model"]["w"]) and torch.equal(got["t"], want["t"])
     assert got["tied"][0] is got["tied"][1] and torch.equal(got["optim"]["state"][0]["exp_avg"],
@@ -269,10 +273,8 @@ def test_a_format_1_checkpoint_still_loads(tmp_path: Path) -> None:
 def test_a_format_2_checkpoint_still_loads_as_it_was_written(tmp_path: Path) -> None:
     # Written by 0.2.0 (tests/unit/data/format2), which stored numpy scalars as
     # JSON numbers and a torch.Size as a tuple: they load as such, as they did.
-    shutil.copytree(DATA / "format2", tmp_path / "run")
-    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
-        got = ck.load_latest()
-        assert ck.loaded_step == 9
+    got, step = load_fixture("format2", tmp_path)
+    assert step == 9
     want = format2_state()
     assert json.loads((tmp_path / "run" / "step-000000009" / MANIFEST).read_text())["version"] == 2
     assert type(got["model"]) is type(want["model"]) and got["model"]._metadata == want["model"]._metadata
