@@ -141,6 +141,8 @@ def _in_place(t: Any) -> bool:
 
 _Entry = tuple[str, Any, list[int], int, int]
 """(key, torch dtype, shape, begin, end) with offsets relative to the data region."""
+_Placed = tuple[str, int, Any, list[int]]
+"""(key, address of its bytes as read, torch dtype, shape)."""
 
 
 def _layout(path: Path, header: dict[str, Any], data_len: int) -> list[_Entry]:
@@ -232,7 +234,7 @@ def _read(
     """
     order = {e[0]: i for i, e in enumerate(layout)}
     out: dict[str, Any] = {}
-    unaligned: list[tuple[str, int, Any, list[int]]] = []
+    unaligned: list[list[_Placed]] = []  # per region: copied once read
     moves: list[tuple[int, int, int]] = []  # (to, from, length): a tensor alone in its buffer, aligned once read
     stores: list[Any] = []  # every buffer read into, alive until the end: not all of them have a window
     items: list[_Item] = []
@@ -249,6 +251,7 @@ def _read(
         pad = -store.data_ptr() % ALIGN
         base = store.data_ptr() + pad
         buffer = store.numpy()
+        odd: list[_Placed] = []
         for key, dtype, shape, begin, end in entries:
             off = pad + start + begin - lo
             skew = (base + off - pad) % TORCH_ALIGN  # the buffer starts on a page
@@ -256,9 +259,11 @@ def _read(
                 moves.append((base - pad + off - skew, base - pad + off, end - begin))
                 out[key] = _window(store, buffer, off - skew, dtype, shape)
             elif skew:
-                unaligned.append((key, base - pad + off, dtype, shape))  # copied once it is read
+                odd.append((key, base - pad + off, dtype, shape))
             else:
                 out[key] = _window(store, buffer, off, dtype, shape)
+        if odd:
+            unaligned.append(odd)
         for off in range(lo, hi, chunk):
             n = min(chunk, hi - off)
             wb, we = max(off, rb), min(off + n, re)
@@ -325,35 +330,18 @@ def _read(
     # Only now: the crcs above were taken where the bytes landed.
     for to, frm, n in moves:
         ctypes.memmove(to, frm, n)
-    out.update(_aligned_copies(unaligned))
+    for odd in unaligned:
+        out.update(_aligned_copies(odd))
     return dict(sorted(out.items(), key=lambda kv: order[kv[0]])), crc
 
 
-def _aligned_copies(tensors: list[tuple[str, int, Any, list[int]]]) -> dict[str, Any]:
-    """``(key, address, dtype, shape)``: each tensor's bytes copied to a 64-byte boundary
-    of fresh memory, each a window as :func:`_window` makes them. As the read groups
-    them: a large tensor has a buffer of its own, small ones share one of at most 64 MiB."""
-    out: dict[str, Any] = {}
-    group: list[tuple[str, int, Any, list[int]]] = []
-    size = 0
-    for t in tensors:
-        n = -(-math.prod(t[3]) * t[2].itemsize // TORCH_ALIGN) * TORCH_ALIGN
-        if n >= _BIG:
-            out.update(_copy_into_one([t]))
-            continue
-        if size + n > _RUN:
-            out.update(_copy_into_one(group))
-            group, size = [], 0
-        group.append(t)
-        size += n
-    if group:
-        out.update(_copy_into_one(group))
-    return out
-
-
-def _copy_into_one(tensors: list[tuple[str, int, Any, list[int]]]) -> dict[str, Any]:
+def _aligned_copies(tensors: list[_Placed]) -> dict[str, Any]:
+    """The tensors of one region (``_regions``), each copied to a 64-byte boundary of
+    one fresh buffer, each a window of it as :func:`_window` makes them."""
     import torch
 
+    if not tensors:
+        return {}
     slots, end = [], 0
     for _, _, dtype, shape in tensors:
         slots.append(end)
@@ -487,14 +475,15 @@ def _map(
         mm.madvise(_mmap.MADV_SEQUENTIAL)
     whole = torch.frombuffer(mm, dtype=torch.uint8)  # holds a reference to mm
     out: dict[str, Any] = {}
-    unaligned = []
-    for key, dtype, shape, begin, _ in layout:
-        a = start + begin
-        if a % TORCH_ALIGN:  # the mapping starts on a page: copied, to be aligned as torch.load's
-            unaligned.append((key, address_of(mm) + a, dtype, shape))
-        else:  # a window keeps the whole mapping alive
-            out[key] = _window(whole, mm, a, dtype, shape)
-    out.update(_aligned_copies(unaligned))
+    for _, _, entries in _regions(layout, start):
+        odd: list[_Placed] = []
+        for key, dtype, shape, begin, _ in entries:
+            a = start + begin
+            if a % TORCH_ALIGN:  # the mapping starts on a page: copied, to be aligned as torch.load's
+                odd.append((key, address_of(mm) + a, dtype, shape))
+            else:  # a window keeps the whole mapping alive
+                out[key] = _window(whole, mm, a, dtype, shape)
+        out.update(_aligned_copies(odd))
     out = {e[0]: out[e[0]] for e in layout}
     crc = 0
     if verify and size > start:

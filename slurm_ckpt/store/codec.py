@@ -405,10 +405,14 @@ def _plain_note(obj: Any, path: str) -> str:
 
 def _dict_of_kind(tag: str, val: Any, dec: Callable[[Any], Any]) -> Any:
     """The ``Counter`` or ``defaultdict`` a ``$counter`` or ``$defaultdict`` tag holds."""
-    name, body = val if tag == "$defaultdict" and isinstance(val, list) and len(val) == 2 else (None, val)
+    if tag == "$counter":
+        name, body = None, val
+    elif isinstance(val, list) and len(val) == 2 and (val[0] is None or isinstance(val[0], str)):
+        name, body = val
+    else:
+        name = body = None
     items = dec(body)
-    if not isinstance(items, dict) or (tag == "$defaultdict" and (not isinstance(name, str | None)
-                                                                  or name not in _FACTORY_BY_NAME)):  # fmt: skip
+    if not isinstance(items, dict) or name not in _FACTORY_BY_NAME:
         raise CheckpointCorrupt(f"state.json: a bad {tag[1:]} {val!r:.80}")
     return Counter(items) if tag == "$counter" else defaultdict(_FACTORY_BY_NAME[name], items)
 
@@ -421,7 +425,8 @@ def _np_scalar_value(x: Any) -> Any:
     """``x``'s value in ``state.json``: a JSON number if reading it back gives the same bits."""
     if x.dtype.kind in "biuf":  # not complex, and datetimes' numbers need their unit
         v = x.item()
-        if (type(v) in (bool, int) or (type(v) is float and math.isfinite(v))) and x.dtype.type(v).tobytes() == x.tobytes():
+        plain = type(v) in (bool, int) or (type(v) is float and math.isfinite(v))
+        if plain and x.dtype.type(v).tobytes() == x.tobytes():
             return v
     return {"$bytes": base64.b64encode(x.tobytes()).decode("ascii")}
 

@@ -37,7 +37,7 @@ STATE_FILE = "state.json"
 OBJECTS_FILE = "objects.pkl"
 
 ReadFn = Callable[..., dict[str, Any]]
-"""``read(path, expected: FileRecord, *, device, into) -> {key: tensor}``, verifying the checksum.
+"""``read(path, expected: FileRecord, *, into) -> {key: tensor}`` in host memory, verifying the checksum.
 
 ``into`` maps keys to tensors the reader may fill in place (and return);
 ``load_state`` copies the values into any it did not."""
