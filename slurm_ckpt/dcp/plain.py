@@ -259,9 +259,9 @@ def _view_chunk(ckpt: Path, key: str, rec: dict[str, Any], base: Stored | None, 
                 dtype: torch.dtype) -> Stored:  # fmt: skip
     """Where a ``$view`` tensor's bytes lie: one run inside its storage's entry.
 
-    DCP reads a chunk as one run of bytes, so only a view laid out contiguously
-    is offered; any other (a transpose, a strided slice) is refused, naming the
-    loader that rebuilds it.
+    DCP reads a chunk as one run of bytes, so only a view laid out contiguously,
+    whose values are its bytes, is offered; any other (a transpose, a strided
+    slice, a lazy conjugate) is refused, naming the loader that rebuilds it.
     """
     if base is None:
         raise CheckpointCorrupt(f"{ckpt}: storage {rec['of']!r} of tensor {key!r} missing", ckpt)
@@ -270,6 +270,10 @@ def _view_chunk(ckpt: Path, key: str, rec: dict[str, Any], base: Stored | None, 
     if numel and any(n != 1 and int(s) != w for n, s, w in zip(shape, rec["stride"], want, strict=True)):
         raise ConfigError(f"{ckpt}: tensor {key!r} was saved as a non-contiguous view, which dcp.load cannot "
                           "read as one chunk; load this checkpoint with Checkpointer.load_latest")  # fmt: skip
+    if rec.get("conj") or rec.get("neg"):
+        raise ConfigError(f"{ckpt}: tensor {key!r} was saved with torch's lazy conjugate or negative bit, whose "
+                          "values dcp.load cannot rebuild from its bytes; load this checkpoint with "
+                          "Checkpointer.load_latest")  # fmt: skip
     at, length = int(rec["offset"]) * dtype.itemsize, numel * dtype.itemsize
     if at + length > base.length:
         raise CheckpointCorrupt(f"{ckpt}: tensor {key!r} lies outside its storage {rec['of']!r}", ckpt)

@@ -51,7 +51,7 @@ from ..config import Config, load_config
 from ..errors import ConfigError, storage_error
 from ..placement import Local, scratch_tier
 from ..store import RunDir
-from ..store.codec import TensorEntry, st_dtype
+from ..store.codec import TensorEntry, resolved, st_dtype
 from ..store.commit import commit
 from ..store.fsutil import remove_tree
 from ..store.layout import step_dir, tmp_dir_for
@@ -402,7 +402,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
                 raw = bytearray(data.getbuffer())
                 t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
             else:
-                t = data.detach().to("cpu").contiguous()  # copies only what is not CPU and contiguous yet
+                t = resolved(data.detach().to("cpu").contiguous())  # copies only what is not CPU and contiguous yet
             key = chunk_key(item.index.fqn, item.index.offset)
             while key in keys:  # never for DCP's own keys; kept so that no two entries share one
                 key += "'"

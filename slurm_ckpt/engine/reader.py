@@ -135,8 +135,9 @@ def _targets(path: Path, layout: list[_Entry], into: Mapping[str, Any]) -> dict[
 
 
 def _in_place(t: Any) -> bool:
-    """Whether the reader may write ``t``'s memory directly."""
-    return t.is_cpu and t.is_contiguous() and t.numel() * t.element_size() >= _BIG
+    """Whether the reader may write ``t``'s memory directly: its values are its bytes."""
+    return (t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and t.numel() * t.element_size() >= _BIG)  # fmt: skip
 
 
 _Entry = tuple[str, Any, list[int], int, int]

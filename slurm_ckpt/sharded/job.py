@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from ..store.codec import TensorEntry, is_dtensor, st_dtype
+from ..store.codec import TensorEntry, is_dtensor, resolved, st_dtype
 from ..store.tensorfile import FileRecord
 from ..store.writer import write_small_files
 from .parts import Ranks, prepare
@@ -130,7 +130,7 @@ def make_job(state: Any, *, group: RankGroup | None, engine: Engine, allow_pickl
     for item in mine.items:
         fqn = item.index.fqn
         t: Any = planner.resolve_data(item)  # a tensor: the flat state holds nothing else
-        t = t.detach()
+        t = resolved(t.detach())
         td = item.tensor_data
         assert td is not None and td.chunk is not None, f"{fqn}: DCP planned a write without a chunk"
         key = chunk_key(fqn, item.index.offset)

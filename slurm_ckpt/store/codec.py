@@ -11,7 +11,8 @@ cannot say natively are tagged objects with a single ``$``-key:
 ``{"$view": {}}``   any other tensor: a view of the storage stored under
                     ``of``, placed as torch places it (``dtype``, ``shape``,
                     ``stride``, ``offset`` in elements), with ``device``,
-                    ``requires_grad`` and ``parameter`` when they are set;
+                    ``requires_grad``, ``parameter``, ``conj`` and ``neg``
+                    (the lazy conjugate and negative bits) when they are set;
                     ``key`` names the tensor object
 ``{"$np": key}``    a numpy array, stored whole as a tensor
 ``{"$npscalar":     a numpy scalar (``np.float32(0.5)``), as its dtype
@@ -71,6 +72,7 @@ __all__ = [
     "encode_state",
     "is_dtensor",
     "path_parts",
+    "resolved",
     "st_dtype",
     "tensor_refs",
     "torch_dtype",
@@ -181,8 +183,27 @@ def _is_whole(t: Any, nbytes: int) -> bool:
 
 
 def _plain(t: Any) -> bool:
-    """A tensor ``{"$t": key}`` says all about: a plain CPU tensor that needs no grad."""
-    return type(t) is _torch().Tensor and not t.requires_grad and t.is_cpu
+    """A tensor ``{"$t": key}`` says all about: a plain CPU tensor that needs no grad,
+    whose values are its bytes (no lazy conjugate or negative bit)."""
+    return type(t) is _torch().Tensor and not t.requires_grad and t.is_cpu and not t.is_conj() and not t.is_neg()
+
+
+def resolved(t: Any) -> Any:
+    """``t`` with its lazy conjugate and negative bits applied to its data (a copy
+    only where one is set): for writers that store a tensor's values as bytes
+    with no record of the bits (DCP's chunks)."""
+    return t.resolve_conj().resolve_neg()
+
+
+def _bytes_as_stored(t: Any) -> Any:
+    """``t`` without its lazy conjugate and negative bits: a view over the same
+    bytes, so that a copy of it (a staging copy) copies the bytes, not the values
+    the bits make of them. The ``$view`` record keeps the bits."""
+    if t.is_conj():
+        t = t.conj()  # clears the bit of a conjugate view: no data is touched
+    if t.is_neg():
+        t = _torch()._neg_view(t)
+    return t
 
 
 def encode_state(
@@ -355,7 +376,7 @@ def _store(group: list[_Leaf], entry: Callable[[str, Any], None]) -> None:
     # the storage's bytes, in the dtype of the tensors on it if they agree.
     whole = next((leaf for leaf in group if _is_whole(leaf.tensor, nbytes)), None)
     if whole is not None:
-        base, data = whole.key, whole.tensor.detach()
+        base, data = whole.key, _bytes_as_stored(whole.tensor.detach())
     else:
         import torch
 
@@ -364,7 +385,7 @@ def _store(group: list[_Leaf], entry: Callable[[str, Any], None]) -> None:
         size = first.element_size()
         if len(dtypes) == 1 and nbytes % size == 0:
             # A view op, so the entry shares the tensors' version counter (overlap's guard reads it).
-            data = first.detach().as_strided((nbytes // size,), (1,), 0)
+            data = _bytes_as_stored(first.detach()).as_strided((nbytes // size,), (1,), 0)
         else:
             data = torch.empty(0, dtype=torch.uint8, device=first.device).set_(
                 first.untyped_storage(), 0, (nbytes,), (1,))  # fmt: skip
@@ -382,6 +403,10 @@ def _store(group: list[_Leaf], entry: Callable[[str, Any], None]) -> None:
             view["requires_grad"] = True
         if isinstance(t, _torch().nn.Parameter):
             view["parameter"] = True
+        if t.is_conj():
+            view["conj"] = True
+        if t.is_neg():
+            view["neg"] = True
         leaf.ref["$view"] = view
 
 
@@ -637,6 +662,11 @@ def _rebuild(rec: dict[str, Any], base: Any) -> Any:
             storage, start = base.clone().untyped_storage(), 0
         offset += start // dtype.itemsize
     t = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, rec["shape"], rec["stride"])
+    # Set on the tensor itself, as torch.load does: conj() would make a view with a _base.
+    if rec.get("conj"):
+        torch._C._set_conj(t, True)
+    if rec.get("neg"):
+        torch._C._set_neg(t, True)
     if rec.get("parameter"):
         return torch.nn.Parameter(t, requires_grad=bool(rec.get("requires_grad")))
     if rec.get("requires_grad"):

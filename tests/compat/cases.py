@@ -200,7 +200,7 @@ def state_digest(obj: Any) -> str:
 
 def layout(state: Any) -> list[dict[str, Any]]:
     """Per tensor: dtype, shape, stride, storage_offset, storage size and
-    alignment, device, requires_grad, type; which tensors share a storage and at
+    alignment, device, requires_grad, lazy bits, type; which tensors share a storage and at
     which byte; which places hold the same tensor object; and the values."""
     groups: dict[int, int] = {}
     objects: dict[int, str] = {}
@@ -219,6 +219,7 @@ def layout(state: Any) -> list[dict[str, Any]]:
             "storage starts at a multiple of 64 bytes": storage.data_ptr() % 64 == 0 if storage.nbytes() else None,
             "device": str(t.device),
             "requires_grad": t.requires_grad,
+            "lazy conjugate, negative bits": [t.is_conj(), t.is_neg()],
             "is a view (has a _base)": t._base is not None,
             "storage": group,
             "at_byte": t.data_ptr() - storage.data_ptr() if storage.nbytes() else 0,

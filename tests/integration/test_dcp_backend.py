@@ -442,19 +442,24 @@ def test_the_checkpointer_loads_dcp_save_values_safely_unless_trusted(tmp_path: 
         assert ck.load_latest(trusted=True)["o"] == Opaque(2)
 
 
-def test_dcp_load_reads_views_of_one_storage_and_refuses_a_strided_one(tmp_path: Path) -> None:
+def test_dcp_load_reads_views_of_one_storage_and_refuses_a_strided_or_conjugate_one(tmp_path: Path) -> None:
     from slurm_ckpt import Checkpointer
 
     buf = torch.arange(24.0)
+    z = torch.randn(6, dtype=torch.complex64)
     with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
         ck.save({"head": buf[:6].view(2, 3), "tail": buf[10:], "p": torch.nn.Parameter(torch.ones(4))}, step=1)
-        ck.save({"t": buf.view(4, 6).t()}, step=2)
+        ck.save({"z": z.conj()}, step=2)  # contiguous, but its bytes are not its values
+        ck.save({"t": buf.view(4, 6).t()}, step=3)
     target = {"head": torch.zeros(2, 3), "tail": torch.zeros(14), "p": torch.zeros(4)}
     dcp.load(target, storage_reader=StorageReader(tmp_path / "run" / "step-000000001"))
     assert torch.equal(target["head"], buf[:6].view(2, 3)) and torch.equal(target["tail"], buf[10:])
     assert torch.equal(target["p"], torch.ones(4))
     with pytest.raises(CheckpointException, match=r"non-contiguous view.*Checkpointer\.load_latest"):
         dcp.load({"t": torch.zeros(6, 4)}, storage_reader=StorageReader(tmp_path / "run"))
+    with pytest.raises(CheckpointException, match=r"lazy conjugate.*Checkpointer\.load_latest"):
+        dcp.load({"z": torch.zeros(6, dtype=torch.complex64)},
+                 storage_reader=StorageReader(tmp_path / "run" / "step-000000002"))
 
 
 # ---------------------------------------------------------------- scratch-first tiers

@@ -76,6 +76,43 @@ def test_every_reader_lays_tensors_out_as_torch_load_does(tmp_path: Path, reader
         assert not got["small"][3].untyped_storage().resizable()  # as torch.load's
 
 
+def bits_state() -> dict[str, Any]:
+    """Tensors with torch's lazy conjugate or negative bit, whose bytes are not their values."""
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(6, dtype=torch.complex64, generator=g)
+    big = torch.randn(1 << 18, dtype=torch.complex64, generator=g)  # 2 MiB: the reader's large-tensor path
+    w = torch.randn(4, dtype=torch.complex64, generator=g)
+    return {
+        "conj": z.conj(), "plain": z,  # one storage, with and without the bit
+        "conj_rows": z[1:4].conj(), "big_conj": big.conj(),
+        "neg": w.conj().imag,  # the negative bit: the imaginary parts of w's storage, as floats
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["save", "save_async", "save, mmap", "save, reference reader"])
+def test_conjugate_and_negative_bits_load_as_torch_load_gives_them(tmp_path: Path, how: str) -> None:
+    state = bits_state()
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        if how == "save_async":
+            ck.save_async(state, step=1).wait()  # the default snapshot copies the state
+        else:
+            ck.save(state, step=1)
+        if how == "save, reference reader":
+            path = ck.dir / "step-000000001"
+            got = load_state(path, verify_checkpoint(path))
+        else:
+            got = ck.load_latest(mmap=how == "save, mmap")
+    assert layout(got) == layout(torch_loaded(state, tmp_path))  # values, bits, sharing
+
+
+def test_into_a_conjugate_tensor_gets_the_saved_values_not_their_bytes(tmp_path: Path) -> None:
+    w = torch.randn(1 << 18, dtype=torch.complex64)  # large: read straight into a plain target
+    path, man = saved({"w": w}, tmp_path)
+    target = torch.zeros_like(w).conj()
+    got = Engine().load(path, man, into={"w": target})
+    assert got["w"] is target and target.is_conj() and torch.equal(target, w)
+
+
 def starts(state: Any) -> dict[str, int]:
     """Where each tensor's storage starts within 64 bytes (torch's allocator: 0; a
     view is then where torch.load's would be)."""

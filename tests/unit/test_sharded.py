@@ -143,6 +143,23 @@ def test_each_api_loads_what_the_others_wrote(run_dir: Path) -> None:
             assert torch.equal(state["w"], torch.full((2,), want)) and ck.loaded_step == 1
 
 
+def test_conjugate_and_negative_views_are_stored_as_their_values(run_dir: Path, one_rank: Any) -> None:
+    """DCP's chunks are values with no record of torch's lazy bits: both writers
+    store what the bits make of the bytes, which any reader then gets."""
+    import torch.distributed.checkpoint as dcp
+
+    from slurm_ckpt.dcp import StorageReader, StorageWriter
+
+    z = torch.randn(6, dtype=torch.complex64)
+    s = {"conj": z.conj(), "neg": z.conj().imag}
+    sharded.save(s, run_dir / "sharded", 1)
+    dcp.save(s, storage_writer=StorageWriter(run_dir / "dcp", step=1))
+    for name in ("sharded", "dcp"):
+        target = {"conj": torch.zeros(6, dtype=torch.complex64), "neg": torch.zeros(6)}
+        dcp.load(target, storage_reader=StorageReader(run_dir / name))
+        assert torch.equal(target["conj"], z.conj()) and torch.equal(target["neg"], -z.imag), name
+
+
 def test_dtensors_save_whole_and_reload_into_dtensors(run_dir: Path, one_rank: Any) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
