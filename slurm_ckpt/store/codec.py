@@ -28,6 +28,9 @@ cannot say natively are tagged objects with a single ``$``-key:
                     the dict as above, and its ``_metadata`` (the module versions
                     ``load_state_dict`` passes on) or null
 ``{"$counter": d}`` a ``Counter``, its dict as above
+``{"$namespace":    an ``argparse.Namespace``, its attributes as a dict as above
+d}``
+``{"$path": s}``    a ``pathlib.Path`` (of this system's flavour)
 ``{"$defaultdict":  a ``defaultdict`` whose ``default_factory`` is a builtin type
 [factory, d]}``     (``"list"``) or None; one of another factory is stored as a
                     plain dict, as are other dict subclasses (an ``OrderedDict``
@@ -61,6 +64,7 @@ import warnings
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorrupt, UnsafeLoad, UnsupportedValue
@@ -345,6 +349,12 @@ def encode_state(
             return [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]
         if isinstance(obj, tuple) and type(obj) is tuple:
             return {"$tuple": [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]}
+        if type(obj) is _PATH:
+            return {"$path": str(obj)}  # a Path given on a command line, as "args" often hold one
+        if tname == "argparse" and type(obj).__qualname__ == "Namespace":
+            # The parsed command line many training scripts save as "args": its
+            # attributes, as a dict, and no code to run to rebuild it.
+            return {"$namespace": enc(dict(vars(obj)), path)}
         if isinstance(obj, (bytes, bytearray)):
             return {"$bytes": base64.b64encode(bytes(obj)).decode("ascii")}
         if allow_pickle:
@@ -441,6 +451,17 @@ def _dict_of_kind(tag: str, val: Any, dec: Callable[[Any], Any]) -> Any:
         raise CheckpointCorrupt(f"state.json: a bad {tag[1:]} {val!r:.80}")
     return Counter(items) if tag == "$counter" else defaultdict(_FACTORY_BY_NAME[name], items)
 
+
+def _namespace(attrs: Any) -> Any:
+    """The ``argparse.Namespace`` a ``$namespace`` tag holds."""
+    import argparse
+
+    if not isinstance(attrs, dict) or not all(isinstance(k, str) for k in attrs):
+        raise CheckpointCorrupt(f"state.json: a bad namespace {attrs!r:.80}")
+    return argparse.Namespace(**attrs)
+
+
+_PATH = type(Path())  # this system's concrete Path: PosixPath on Linux
 
 _NP_SCALAR_KINDS = "biufcmM"
 """Numpy scalars stored as ``$npscalar``: bools, numbers, datetimes and timedeltas."""
@@ -614,6 +635,12 @@ def decode_state(
                 return {_hashable(dec(k)): dec(v) for k, v in val}
             if tag in ("$counter", "$defaultdict"):
                 return _dict_of_kind(tag, val, dec)
+            if tag == "$namespace":
+                return _namespace(dec(val))
+            if tag == "$path":
+                if not isinstance(val, str):
+                    raise CheckpointCorrupt(f"state.json: a bad path {val!r:.80}")
+                return Path(val)
             if tag == "$odict":
                 body, meta = val
                 od = OrderedDict(dec(body))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import struct
@@ -244,6 +245,21 @@ def test_counters_and_defaultdicts_keep_their_type_other_subclasses_warn() -> No
     assert out == {"cfg": {"lr": 0.1}, "counts": {"a": 1}, "rows": [1], "out": {"x": 1}}
     assert type(out["cfg"]) is dict and type(out["out"]) is OrderedDict
 
+def test_an_argparse_namespace_and_paths_keep_their_types() -> None:
+    # As the timm, DeiT, MAE and torchvision reference scripts save it: checkpoint["args"] = args.
+    args = argparse.Namespace(model="vit_small", lr=5e-4, epochs=300, betas=(0.9, 0.999), resume="", clip=None,
+                              sched=argparse.Namespace(name="cosine", warmup=5), eps=np.float32(1e-8),
+                              output_dir=Path("runs/vit"), data=Path("/datasets/imagenet"))  # fmt: skip
+    state = {"args": args, "epoch": 3, "w": torch.ones(2)}
+    out = round_trip(state)
+    assert type(out["args"]) is argparse.Namespace and out["args"] == args
+    assert type(out["args"].betas) is tuple and type(out["args"].eps) is np.float32
+    assert type(out["args"].sched) is argparse.Namespace and out["args"].sched.warmup == 5
+    assert type(out["args"].output_dir) is type(Path()) and out["args"].data == Path("/datasets/imagenet")
+    with pytest.raises(UnsupportedValue, match=r"/args/data: cannot store a object"):  # its values as anywhere
+        round_trip({"args": argparse.Namespace(data=object())})
+
+
 def test_a_load_into_a_state_with_a_dict_subclass_says_nothing(tmp_path: Path) -> None:
     with Checkpointer(tmp_path, keep=1) as ck, pytest.warns(UserWarning, match="/cfg: a Config as a dict"):
         ck.save({"w": torch.ones(2), "cfg": Config(lr=0.1)}, step=1)
@@ -282,6 +298,7 @@ def test_numpy_scalars_keep_readable_values_in_state_json(tmp_path: Path) -> Non
     {"$npscalar": ["<f4"]}, {"$npscalar": [{"a": 1}, 1]}, {"$npscalar": ["O", 1]}, {"$npscalar": ["nonsense", 1]},
     {"$complex": [{"$complex": [1, 2]}, 3]}, {"$complex": ["1", 2]}, {"$complex": [1]},
     {"$defaultdict": ["os.system", {}]}, {"$defaultdict": [{}]}, {"$defaultdict": ["list", [1]]}, {"$counter": [1, 1]},
+    {"$namespace": [1]}, {"$namespace": {"$items": [[1, 2]]}}, {"$namespace": None}, {"$path": ["/a"]},
 ])  # fmt: skip
 def test_a_malformed_tag_is_a_corrupt_checkpoint(tag: dict[str, Any]) -> None:
     # state.json is checksummed, so only a writer set on it gets here; its load must
