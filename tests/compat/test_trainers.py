@@ -1,4 +1,4 @@
-"""Five trainers written the way their public originals are resume bit-exact under ``slurm-ckpt run``.
+"""Six trainers written the way their public originals are resume bit-exact under ``slurm-ckpt run``.
 
 Each trainer (``trainers/``) runs twice under ``slurm-ckpt run --local``, at
 the same time: once straight through, and once interrupted mid-epoch. The
@@ -36,6 +36,7 @@ TRAINERS = {
     "nanogpt_style": (30, 13),  # between evaluations, after a saving one
     "accelerate_style": (36, 17),  # 12 batches an epoch: epoch 2, batch 5
     "time_sequence": (8, 4),  # L-BFGS: every step after the resume takes dot products of loaded tensors
+    "deit_style": (36, 17),  # 12 batches an epoch: epoch 1 of 0-2, batch 5
 }
 
 
