@@ -35,7 +35,9 @@ d}``
 [factory, d]}``     (``"list"``) or None; one of another factory is stored as a
                     plain dict, as are other dict subclasses (an ``OrderedDict``
                     subclass as an ``OrderedDict``), with a warning
-``{"$bytes": b64}`` bytes
+``{"$bytes": b64}`` bytes; ``{"$bytearray": b64}`` a bytearray
+``{"$set": []}``    a set
+``{"$device": s}``  a ``torch.device``
 ``{"$float": s}``   ``nan``, ``inf`` or ``-inf``
 ``{"$int": hex}``   an int too big for a JSON number (Python refuses to print
                     ints over 4300 digits in decimal; hex has no such limit)
@@ -55,9 +57,11 @@ that tensor), else as its bytes, 1-D.
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
 import functools
 import math
+import operator
 import pickle
 import sys
 import warnings
@@ -311,6 +315,8 @@ def encode_state(
                 return tensor_ref(obj, path)
             if isinstance(obj, torch.dtype):
                 return {"$dtype": str(obj).removeprefix("torch.")}
+            if isinstance(obj, torch.device):
+                return {"$device": str(obj)}
             if isinstance(obj, torch.Size):
                 return {"$size": [int(d) for d in obj]}
         if tname == "numpy":
@@ -356,7 +362,10 @@ def encode_state(
             # attributes, as a dict, and no code to run to rebuild it.
             return {"$namespace": enc(dict(vars(obj)), path)}
         if isinstance(obj, (bytes, bytearray)):
-            return {"$bytes": base64.b64encode(bytes(obj)).decode("ascii")}
+            tag = "$bytearray" if type(obj) is bytearray else "$bytes"
+            return {tag: base64.b64encode(bytes(obj)).decode("ascii")}
+        if type(obj) is set:
+            return {"$set": [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]}
         if allow_pickle:
             out.objects.append(obj)
             return {"$pickle": len(out.objects) - 1}
@@ -450,6 +459,47 @@ def _dict_of_kind(tag: str, val: Any, dec: Callable[[Any], Any]) -> Any:
     if not isinstance(items, dict) or name not in _FACTORY_BY_NAME:
         raise CheckpointCorrupt(f"state.json: a bad {tag[1:]} {val!r:.80}")
     return Counter(items) if tag == "$counter" else defaultdict(_FACTORY_BY_NAME[name], items)
+
+
+def _list(tag: str, val: Any) -> list[Any]:
+    if not isinstance(val, list):
+        raise CheckpointCorrupt(f"state.json: a bad {tag[1:]} {val!r:.80}")
+    return val
+
+
+def _str(val: Any) -> str:
+    if not isinstance(val, str):
+        raise TypeError("not a string")
+    return val
+
+
+def _dtype(name: Any) -> Any:
+    torch = _torch()
+    dtype = getattr(torch, _str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError("not a torch dtype")
+    return dtype
+
+
+_LEAVES: dict[str, Callable[[Any], Any]] = {
+    "$bytes": lambda v: base64.b64decode(_str(v), validate=True),
+    "$bytearray": lambda v: bytearray(base64.b64decode(_str(v), validate=True)),
+    "$float": lambda v: float(_str(v)),
+    "$int": lambda v: int(_str(v), 16),
+    "$dtype": _dtype,
+    "$device": lambda v: _torch().device(_str(v)),
+    "$size": lambda v: _torch().Size(operator.index(d) for d in v),
+    "$path": lambda v: Path(_str(v)),
+}
+"""The tags whose value is a plain JSON value, with what each decodes to."""
+
+
+def _leaf(tag: str, val: Any) -> Any:
+    """The value of a ``_LEAVES`` tag; a malformed one is damage, never a value built from it."""
+    try:
+        return _LEAVES[tag](val)
+    except (TypeError, ValueError, RuntimeError, binascii.Error):
+        raise CheckpointCorrupt(f"state.json: a bad {tag[1:]} {val!r:.80}") from None
 
 
 def _namespace(attrs: Any) -> Any:
@@ -620,11 +670,12 @@ def decode_state(
             if tag == "$np":
                 return array(val)
             if tag == "$tuple":
-                return tuple(dec(v) for v in val)
-            if tag == "$size":
-                import torch
-
-                return torch.Size(int(d) for d in val)
+                return tuple(dec(v) for v in _list(tag, val))
+            if tag == "$set":
+                try:
+                    return {dec(v) for v in _list(tag, val)}
+                except TypeError:  # an element that cannot be in a set
+                    raise CheckpointCorrupt(f"state.json: a bad set {val!r:.80}") from None
             if tag == "$npscalar":
                 return _np_scalar(val)
             if tag == "$complex":
@@ -632,31 +683,27 @@ def decode_state(
                     raise CheckpointCorrupt(f"state.json: a bad complex number {val!r:.80}")
                 return complex(_number(val[0]), _number(val[1]))
             if tag == "$items":
-                return {_hashable(dec(k)): dec(v) for k, v in val}
+                pairs = _list(tag, val)
+                if not all(isinstance(kv, list) and len(kv) == 2 for kv in pairs):
+                    raise CheckpointCorrupt(f"state.json: a bad items {val!r:.80}")
+                try:
+                    return {_hashable(dec(k)): dec(v) for k, v in pairs}
+                except TypeError:  # a key that cannot be a dict key
+                    raise CheckpointCorrupt(f"state.json: a bad items {val!r:.80}") from None
             if tag in ("$counter", "$defaultdict"):
                 return _dict_of_kind(tag, val, dec)
             if tag == "$namespace":
                 return _namespace(dec(val))
-            if tag == "$path":
-                if not isinstance(val, str):
-                    raise CheckpointCorrupt(f"state.json: a bad path {val!r:.80}")
-                return Path(val)
             if tag == "$odict":
-                body, meta = val
+                if len(pair := _list(tag, val)) != 2:
+                    raise CheckpointCorrupt(f"state.json: a bad odict {val!r:.80}")
+                body, meta = pair
                 od = OrderedDict(dec(body))
                 if meta is not None:
                     od._metadata = dec(meta)  # type: ignore[attr-defined]
                 return od
-            if tag == "$bytes":
-                return base64.b64decode(val)
-            if tag == "$float":
-                return float(val)
-            if tag == "$int":
-                return int(val, 16)
-            if tag == "$dtype":
-                import torch
-
-                return getattr(torch, val)
+            if tag in _LEAVES:
+                return _leaf(tag, val)
             if tag == "$pickle":
                 if not trusted:
                     raise UnsafeLoad(

@@ -260,6 +260,17 @@ def test_an_argparse_namespace_and_paths_keep_their_types() -> None:
         round_trip({"args": argparse.Namespace(data=object())})
 
 
+def test_sets_devices_and_bytearrays_keep_their_types_as_torch_load_s_do() -> None:
+    # What torch.load(weights_only=True) keeps of these, and a resumed loop may rely on:
+    # a set's membership, a bytearray's mutability, a torch.device to move tensors to.
+    state = {"seen": {3, "a", (1, 2)}, "device": torch.device("cpu"), "gpu": torch.device("cuda", 1),
+             "buf": bytearray(b"\x00\xff"), "empty": set()}  # fmt: skip
+    out = round_trip(state)
+    assert_same(state, out)
+    assert out["seen"] == {3, "a", (1, 2)} and out["gpu"] == torch.device("cuda:1")
+    out["buf"].extend(b"x")  # still a bytearray
+
+
 def test_a_load_into_a_state_with_a_dict_subclass_says_nothing(tmp_path: Path) -> None:
     with Checkpointer(tmp_path, keep=1) as ck, pytest.warns(UserWarning, match="/cfg: a Config as a dict"):
         ck.save({"w": torch.ones(2), "cfg": Config(lr=0.1)}, step=1)
@@ -299,6 +310,8 @@ def test_numpy_scalars_keep_readable_values_in_state_json(tmp_path: Path) -> Non
     {"$complex": [{"$complex": [1, 2]}, 3]}, {"$complex": ["1", 2]}, {"$complex": [1]},
     {"$defaultdict": ["os.system", {}]}, {"$defaultdict": [{}]}, {"$defaultdict": ["list", [1]]}, {"$counter": [1, 1]},
     {"$namespace": [1]}, {"$namespace": {"$items": [[1, 2]]}}, {"$namespace": None}, {"$path": ["/a"]},
+    {"$set": [[1]]}, {"$set": 1}, {"$device": "gpu:x"}, {"$bytearray": "%%"}, {"$bytes": 5}, {"$dtype": "load"},
+    {"$float": "abc"}, {"$int": 5}, {"$size": [1.5]}, {"$tuple": 5}, {"$items": [[{"a": 1}, 2]]}, {"$odict": [1]},
 ])  # fmt: skip
 def test_a_malformed_tag_is_a_corrupt_checkpoint(tag: dict[str, Any]) -> None:
     # state.json is checksummed, so only a writer set on it gets here; its load must
