@@ -406,7 +406,7 @@ def pickled_for_a_worker(state: Any) -> str:
 
 
 CASES: dict[str, Callable[[Any], Any]] = {
-    "layout of every tensor (dtype, shape, stride, offset, storage size and alignment, sharing, device, grad)": layout,
+    "layout of every tensor (dtype, shape, stride, offset, storage size and alignment, sharing, device, grad, lazy bits)": layout,
     "torch.set_rng_state": set_rng_state,
     "torch.Generator().set_state": generator_set_state,
     "model.load_state_dict (strict), optimizer.load_state_dict, step()": load_state_dict_then_step,
