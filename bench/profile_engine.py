@@ -4,7 +4,8 @@
 
 Each line removes one cost from the real engine path, measured interleaved in
 one run (medians; each repetition runs the lines in a shuffled order, seeded,
-as ``slurm-ckpt bench`` does), so the gaps between lines are the costs:
+as ``slurm-ckpt bench`` does), so the gaps between lines are the costs. Each
+line also gives the CPU time the process took (every thread, user and system):
 
 write  raw O_DIRECT from one page-aligned buffer on huge pages (the limit)
        the same from a buffer on 4 KiB pages (what huge pages are worth)
@@ -22,6 +23,7 @@ read   raw O_DIRECT into memory already faulted in (the limit)
        engine read into the state's own tensors (``into=``: no fresh memory,
        but torch's allocations keep up to 2 MiB at each end on 4 KiB pages)
        engine read into tensors it read before (no fresh memory, huge pages)
+       the same, no checksum (what verifying costs where nothing else does)
        engine read into the state's tensors, no checksum (what verifying costs)
        Checkpointer.load_latest(into=) the state (adds: finding and checking
        the checkpoint, state.json, matching ``into`` to it, the decode)
@@ -91,21 +93,25 @@ def _swapped(fn: Callable[[], Any], *changes: tuple[Any, str, Any]) -> Callable[
     return run
 
 
-def timed(fn: Callable[[], Any], before: Callable[[], Any] = lambda: None) -> float:
+def timed(fn: Callable[[], Any], before: Callable[[], Any] = lambda: None) -> tuple[float, float]:
+    """Wall seconds of ``fn``, and the CPU seconds (user and system, every thread) it took."""
     before()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     out = fn()
-    secs = time.perf_counter() - t0
+    secs, cpu = time.perf_counter() - t0, time.process_time() - c0
     del out
-    return secs
+    return secs, cpu
 
 
-def table(title: str, nbytes: int, rows: dict[str, list[float]], base: str) -> None:
+def table(title: str, nbytes: int, rows: dict[str, list[tuple[float, float]]], base: str) -> None:
+    """Medians: wall time, rate, ratio to ``base``, and this process's CPU time. On a
+    machine with few cores, CPU spent beside the I/O can slow the I/O itself."""
     print(f"\n{title}")
-    ref = statistics.median(rows[base])
-    for name, ts in rows.items():
-        m = statistics.median(ts)
-        print(f"  {name:<50} {m:7.3f} s {nbytes / m / 1e9:6.2f} GB/s  x{ref / m:5.2f} of {base}")
+    ref = statistics.median(t for t, _ in rows[base])
+    for name, samples in rows.items():
+        m = statistics.median(t for t, _ in samples)
+        cpu = statistics.median(c for _, c in samples)
+        print(f"  {name:<50} {m:7.3f} s {nbytes / m / 1e9:6.2f} GB/s  x{ref / m:5.2f} of {base}  cpu {cpu:6.3f} s")
 
 
 def main() -> None:
@@ -133,7 +139,7 @@ def main() -> None:
         shutil.rmtree(root / "ckpt" / "step-000000001", ignore_errors=True)
         os.sync()
 
-    writes: dict[str, list[float]] = {}
+    writes: dict[str, list[tuple[float, float]]] = {}
     for r in range(args.reps):
         cases: list[tuple[str, Callable[[], Any]]] = [
             ("raw O_DIRECT x4 (limit)", lambda: raw.write(out, 4)),
@@ -160,7 +166,7 @@ def main() -> None:
     data = path / "tensors-00000.safetensors"
     mine = {e.key: e.tensor for e in enc.tensors}
     ours = read_tensor_file(data, rec)
-    reads: dict[str, list[float]] = {}
+    reads: dict[str, list[tuple[float, float]]] = {}
     for r in range(args.reps):
         cases = [
             ("raw O_DIRECT x4 into faulted memory (limit)", lambda: warm.read(out, 4)),
@@ -169,6 +175,7 @@ def main() -> None:
             ("engine read, zlib's crc32 (without isal)", _swapped(lambda: read_tensor_file(data, rec), *WITHOUT_ISAL)),
             ("engine read into the state's tensors", lambda: read_tensor_file(data, rec, into=mine)),
             ("engine read into tensors it read before", lambda: read_tensor_file(data, rec, into=ours)),
+            ("the same, no checksum", lambda: read_tensor_file(data, rec, into=ours, verify=False)),
             ("engine read into the state's tensors, no checksum",
              lambda: read_tensor_file(data, rec, into=mine, verify=False)),
             ("Checkpointer.load_latest(into=the state)", lambda: ck.load_latest(into=state)),
@@ -183,7 +190,7 @@ def main() -> None:
 
     staging = Staging()
     staging.stage(encode_state(state).tensors)  # first stage allocates
-    stall: dict[str, list[float]] = {}
+    stall: dict[str, list[tuple[float, float]]] = {}
     for _ in range(args.reps):
         stall.setdefault("Checkpointer.save", []).append(timed(lambda: ck.save(state, 1), fresh))
         stall.setdefault("memcpy into the reused staging buffer", []).append(
