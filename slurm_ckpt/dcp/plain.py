@@ -21,6 +21,7 @@ dirs, not chunked) has no global tensors to offer: it is refused.
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import math
@@ -43,7 +44,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CheckpointCorrupt, ConfigError, UnsafeLoad, storage_error
-from ..store.codec import contiguous_strides, decode_state, tensor_refs, torch_dtype
+from ..store.codec import contiguous_strides, decode_state, namespace, tensor_refs, torch_dtype
 from ..store.fsutil import open_regular, read_small
 from ..store.manifest import Manifest
 from ..store.shards import SHARD_PREFIX, shard_name
@@ -173,6 +174,8 @@ def _flat(tree: Any, load_tensor: Callable[[str], Any]) -> tuple[dict[str, Any],
             return [mark(x) for x in v]
         if type(v) is tuple:  # a torch.Size holds ints only, and stays a Size
             return tuple(mark(x) for x in v)
+        if isinstance(v, argparse.Namespace):
+            return namespace({k: mark(x) for k, x in vars(v).items()})
         return v
 
     state = mark(decode_state(prepare(tree), load_tensor, None))
@@ -196,13 +199,15 @@ def _objects(ckpt: Path, man: Manifest, name: str, trusted: bool,
 
 
 def _value(ckpt: Path, fqn: str, value: Any, objects: Callable[[], list[Any]]) -> Value:
-    """The bytes DCP's planner unpickles one value from (``torch.save``), made when asked for."""
-    if _holds(value, torch.Tensor):
-        # DCP keeps a tuple (or a list of lists) holding tensors as one pickled value.
-        raise ConfigError(f"{ckpt}: {fqn!r} is a value holding tensors, which DCP would load as one pickle; "
-                          "load this checkpoint with Checkpointer.load_latest")  # fmt: skip
+    """The bytes DCP's planner unpickles one value from (``torch.save``), made when asked for:
+    a load that does not ask for a value (``slurm_ckpt.sharded``'s, which decodes the
+    state itself) never needs the bytes of one DCP cannot give."""
 
     def saved() -> bytes:
+        if _holds(value, torch.Tensor):
+            # DCP keeps a tuple (or a list of lists) holding tensors as one pickled value.
+            raise ConfigError(f"{ckpt}: {fqn!r} is a value holding tensors, which DCP would load as one "
+                              "pickle; load this checkpoint with Checkpointer.load_latest")  # fmt: skip
         v = _unmark(value, objects) if _holds(value, _Pickled) else value
         buf = io.BytesIO()
         torch.save(v, buf)
@@ -212,8 +217,11 @@ def _value(ckpt: Path, fqn: str, value: Any, objects: Callable[[], list[Any]]) -
 
 
 def _holds(value: Any, kind: type) -> bool:
+    """Whether ``value`` is, or holds, a ``kind`` (sets hold plain values only: see the codec)."""
     if isinstance(value, kind):
         return True
+    if isinstance(value, argparse.Namespace):
+        value = vars(value)
     if isinstance(value, dict):
         return any(_holds(v, kind) for v in value.values())
     if isinstance(value, (list, tuple)):
@@ -230,6 +238,8 @@ def _unmark(value: Any, objects: Callable[[], list[Any]]) -> Any:
         return [_unmark(v, objects) for v in value]
     if isinstance(value, tuple):
         return tuple(_unmark(v, objects) for v in value)
+    if isinstance(value, argparse.Namespace):
+        return namespace({k: _unmark(v, objects) for k, v in vars(value).items()})
     return value
 
 

@@ -85,12 +85,23 @@ def split(state: Any, *, allow_pickle: bool = False, warn: bool = True) -> Split
         key = (".".join(path_parts(path)) or ".").replace(PER_RANK, PER_RANK + "'")
         while key in tensors:
             key += "'"
-        tensors[key] = t
+        tensors[key] = _as_tensor(t)
         by_id[id(t)] = key
         return key
 
     enc = encode_state(state, allow_pickle=allow_pickle, refer=refer, warn=warn)
     return Split(enc.tree, tensors, enc.objects)
+
+
+def _as_tensor(t: Any) -> Any:
+    """A numpy array (NumPy's RNG state) as a tensor over its memory: it is stored as a
+    chunk like any plain tensor, and the tree's ``$np`` gives it back as an array."""
+    if type(t).__module__ != "numpy":
+        return t
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(t))
 
 
 def holds_dtensor(state: Any) -> bool:

@@ -61,7 +61,6 @@ import binascii
 import contextlib
 import functools
 import math
-import operator
 import pickle
 import sys
 import warnings
@@ -79,6 +78,7 @@ __all__ = [
     "decode_state",
     "encode_state",
     "is_dtensor",
+    "namespace",
     "path_parts",
     "resolved",
     "st_dtype",
@@ -365,6 +365,13 @@ def encode_state(
             tag = "$bytearray" if type(obj) is bytearray else "$bytes"
             return {tag: base64.b64encode(bytes(obj)).decode("ascii")}
         if type(obj) is set:
+            odd = next((v for v in obj if not _plain_hashable(v)), None)
+            if odd is not None:
+                # A tensor hashes by identity: which saved one a loaded one stands for
+                # (for into=, for DCP) would depend on the set's order in each process.
+                raise UnsupportedValue(f"{path or '/'}: a set holding a {type(odd).__qualname__}; only "
+                                       "numbers, strings, bytes and tuples of them are stored in a set: "
+                                       "store a list instead")  # fmt: skip
             return {"$set": [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]}
         if allow_pickle:
             out.objects.append(obj)
@@ -473,9 +480,45 @@ def _str(val: Any) -> str:
     return val
 
 
+def _one_of(val: Any, allowed: tuple[str, ...]) -> str:
+    if val not in allowed:
+        raise ValueError("not one of the values written")
+    return str(val)
+
+
+def _dims(val: Any) -> list[int]:
+    """A shape: a list of ints, each a valid size (not a bool, not negative, fits in int64)."""
+    if not isinstance(val, list) or not all(type(d) is int and 0 <= d < 2**63 for d in val):
+        raise ValueError("not a shape")
+    return val
+
+
+def _key(tag: str, val: Any) -> str:
+    if not isinstance(val, str):
+        raise CheckpointCorrupt(f"state.json: a bad {tag[1:]} {val!r:.80}")
+    return val
+
+
+_VIEW_FIELDS = {"key": str, "of": str, "dtype": str, "shape": list, "stride": list, "offset": int}
+
+
+def _view_record(rec: Any) -> dict[str, Any]:
+    """A ``$view`` record with every field it needs, of its type (``_rebuild`` checks the rest)."""
+    try:
+        ok = (isinstance(rec, dict) and all(type(rec.get(k)) is t for k, t in _VIEW_FIELDS.items())
+              and len(rec["stride"]) == len(_dims(rec["shape"])) and rec["offset"] >= 0
+              and all(type(s) is int and s >= 0 for s in rec["stride"]))  # fmt: skip
+    except ValueError:
+        ok = False
+    if not ok:
+        raise CheckpointCorrupt(f"state.json: a bad view {rec!r:.80}")
+    return rec
+
+
 def _dtype(name: Any) -> Any:
     torch = _torch()
-    dtype = getattr(torch, _str(name), None)
+    # From the module's own names: getattr would import a lazy submodule a name happens to match.
+    dtype = vars(torch).get(_str(name))
     if not isinstance(dtype, torch.dtype):
         raise ValueError("not a torch dtype")
     return dtype
@@ -484,11 +527,11 @@ def _dtype(name: Any) -> Any:
 _LEAVES: dict[str, Callable[[Any], Any]] = {
     "$bytes": lambda v: base64.b64decode(_str(v), validate=True),
     "$bytearray": lambda v: bytearray(base64.b64decode(_str(v), validate=True)),
-    "$float": lambda v: float(_str(v)),
+    "$float": lambda v: float(_one_of(v, ("nan", "inf", "-inf"))),
     "$int": lambda v: int(_str(v), 16),
     "$dtype": _dtype,
     "$device": lambda v: _torch().device(_str(v)),
-    "$size": lambda v: _torch().Size(operator.index(d) for d in v),
+    "$size": lambda v: _torch().Size(_dims(v)),
     "$path": lambda v: Path(_str(v)),
 }
 """The tags whose value is a plain JSON value, with what each decodes to."""
@@ -502,13 +545,31 @@ def _leaf(tag: str, val: Any) -> Any:
         raise CheckpointCorrupt(f"state.json: a bad {tag[1:]} {val!r:.80}") from None
 
 
-def _namespace(attrs: Any) -> Any:
-    """The ``argparse.Namespace`` a ``$namespace`` tag holds."""
+def namespace(attrs: Mapping[Any, Any]) -> Any:
+    """An ``argparse.Namespace`` with ``attrs`` set as pickle sets them: into its
+    ``__dict__``, whatever their names."""
     import argparse
 
-    if not isinstance(attrs, dict) or not all(isinstance(k, str) for k in attrs):
+    ns = argparse.Namespace()
+    ns.__dict__.update(attrs)
+    return ns
+
+
+def _namespace(attrs: Any) -> Any:
+    """The ``argparse.Namespace`` a ``$namespace`` tag holds."""
+    if not isinstance(attrs, dict):
         raise CheckpointCorrupt(f"state.json: a bad namespace {attrs!r:.80}")
-    return argparse.Namespace(**attrs)
+    return namespace(attrs)
+
+
+def _plain_hashable(v: Any) -> bool:
+    """Whether ``v`` is a value a ``$set`` stores: a number, string or bytes, or a tuple of them."""
+    if v is None or type(v) in (bool, int, float, complex, str, bytes):
+        return True
+    if type(v) is tuple:
+        return all(_plain_hashable(x) for x in v)
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(v, np.generic) and v.dtype.kind in _NP_SCALAR_KINDS
 
 
 _PATH = type(Path())  # this system's concrete Path: PosixPath on Linux
@@ -634,8 +695,10 @@ def decode_state(
 
     def storage_of(rec: dict[str, Any]) -> Any:
         base = tensor(rec["of"])
-        if not base.is_contiguous():  # an into= tensor copied into, not laid out as the storage
-            base = base.contiguous()
+        # An into= tensor copied into holds the saved values, but not laid out as the
+        # storage's bytes when it is strided or has a lazy bit: views take a copy.
+        if not base.is_contiguous() or base.is_conj() or base.is_neg():
+            base = resolved(base).contiguous()
         return placed(rec["of"], base, rec.get("device", "cpu"), rec["key"])
 
     def placed(entry: str, base: Any, saved: str, key: str) -> Any:
@@ -664,11 +727,11 @@ def decode_state(
         if len(obj) == 1:
             (tag, val), = obj.items()
             if tag == "$t":  # saved on the CPU
-                return filled(val, placed(val, tensor(val), "cpu", val))
+                return filled(val, placed(val, tensor(_key(tag, val)), "cpu", val))
             if tag == "$view":
-                return view(val)
+                return view(_view_record(val))
             if tag == "$np":
-                return array(val)
+                return array(_key(tag, val))
             if tag == "$tuple":
                 return tuple(dec(v) for v in _list(tag, val))
             if tag == "$set":
@@ -697,10 +760,12 @@ def decode_state(
             if tag == "$odict":
                 if len(pair := _list(tag, val)) != 2:
                     raise CheckpointCorrupt(f"state.json: a bad odict {val!r:.80}")
-                body, meta = pair
-                od = OrderedDict(dec(body))
+                body, meta = (dec(v) for v in pair)
+                if not isinstance(body, dict) or not (meta is None or isinstance(meta, dict)):
+                    raise CheckpointCorrupt(f"state.json: a bad odict {val!r:.80}")
+                od = OrderedDict(body)
                 if meta is not None:
-                    od._metadata = dec(meta)  # type: ignore[attr-defined]
+                    od._metadata = meta  # type: ignore[attr-defined]
                 return od
             if tag in _LEAVES:
                 return _leaf(tag, val)
@@ -723,8 +788,16 @@ def _rebuild(rec: dict[str, Any], base: Any) -> Any:
     """The tensor ``rec`` describes, on the storage of ``base`` (a data-file entry).
 
     Built as ``torch.load`` builds tensors (an empty tensor ``set_`` to the
-    storage), so it is no view of ``base`` and has no ``_base``.
+    storage), so it is no view of ``base`` and has no ``_base``. A record torch
+    refuses (outside its storage, a grad on ints) is damage.
     """
+    try:
+        return _rebuilt(rec, base)
+    except (KeyError, RuntimeError) as e:
+        raise CheckpointCorrupt(f"state.json: a bad view {rec!r:.80}: {e}") from None
+
+
+def _rebuilt(rec: dict[str, Any], base: Any) -> Any:
     import torch
 
     dtype = torch_dtype(rec["dtype"])
@@ -735,7 +808,12 @@ def _rebuild(rec: dict[str, Any], base: Any) -> Any:
         if start % dtype.itemsize:
             storage, start = base.clone().untyped_storage(), 0
         offset += start // dtype.itemsize
-    t = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, rec["shape"], rec["stride"])
+    shape, stride = rec["shape"], rec["stride"]
+    # set_ would grow a resizable storage to fit, with bytes that were never saved.
+    last = offset + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) if all(shape) else -1
+    if (last + 1) * dtype.itemsize > storage.nbytes():
+        raise RuntimeError("it lies outside its storage")
+    t = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
     # Set on the tensor itself, as torch.load does: conj() would make a view with a _base.
     if rec.get("conj"):
         torch._C._set_conj(t, True)

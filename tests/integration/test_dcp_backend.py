@@ -426,6 +426,20 @@ def test_pickled_values_reach_dcp_load_only_when_trusted(tmp_path: Path) -> None
     assert target["o"] == Opaque(5)
 
 
+def test_dcp_load_gives_a_namespace_its_objects_and_refuses_one_holding_tensors(tmp_path: Path) -> None:
+    import argparse
+
+    from slurm_ckpt import Checkpointer
+
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False, allow_pickle=True) as ck:
+        ck.save({"args": argparse.Namespace(o=Opaque(5), lr=0.1), "a": argparse.Namespace(t=torch.ones(2))}, step=1)
+    target: dict[str, Any] = {"args": None}
+    dcp.load(target, storage_reader=StorageReader(tmp_path / "run", trusted=True))
+    assert target["args"] == argparse.Namespace(o=Opaque(5), lr=0.1)  # the pickled object, not its reference
+    with pytest.raises(CheckpointException, match=r"'a' is a value holding tensors.*Checkpointer\.load_latest"):
+        dcp.load({"a": None}, storage_reader=StorageReader(tmp_path / "run", trusted=True))  # not meta tensors
+
+
 def test_the_checkpointer_loads_dcp_save_values_safely_unless_trusted(tmp_path: Path) -> None:
     from slurm_ckpt import Checkpointer
     from slurm_ckpt.errors import UnsafeLoad

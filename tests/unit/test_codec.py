@@ -258,6 +258,9 @@ def test_an_argparse_namespace_and_paths_keep_their_types() -> None:
     assert type(out["args"].output_dir) is type(Path()) and out["args"].data == Path("/datasets/imagenet")
     with pytest.raises(UnsupportedValue, match=r"/args/data: cannot store a object"):  # its values as anywhere
         round_trip({"args": argparse.Namespace(data=object())})
+    odd = argparse.Namespace(**{"$x": 1, "not an identifier": 2})
+    odd.__dict__[3] = "an int name, as pickle would keep it"
+    assert vars(round_trip({"args": odd})["args"]) == vars(odd)
 
 
 def test_sets_devices_and_bytearrays_keep_their_types_as_torch_load_s_do() -> None:
@@ -269,6 +272,9 @@ def test_sets_devices_and_bytearrays_keep_their_types_as_torch_load_s_do() -> No
     assert_same(state, out)
     assert out["seen"] == {3, "a", (1, 2)} and out["gpu"] == torch.device("cuda:1")
     out["buf"].extend(b"x")  # still a bytearray
+    for odd in (torch.ones(2), (1, torch.ones(1)), Opaque(1)):  # hashed by identity, or no safe form
+        with pytest.raises(UnsupportedValue, match=r"/s: a set holding a .*store a list instead"):
+            round_trip({"s": {odd}})
 
 
 def test_a_load_into_a_state_with_a_dict_subclass_says_nothing(tmp_path: Path) -> None:
@@ -309,15 +315,24 @@ def test_numpy_scalars_keep_readable_values_in_state_json(tmp_path: Path) -> Non
     {"$npscalar": ["<f4"]}, {"$npscalar": [{"a": 1}, 1]}, {"$npscalar": ["O", 1]}, {"$npscalar": ["nonsense", 1]},
     {"$complex": [{"$complex": [1, 2]}, 3]}, {"$complex": ["1", 2]}, {"$complex": [1]},
     {"$defaultdict": ["os.system", {}]}, {"$defaultdict": [{}]}, {"$defaultdict": ["list", [1]]}, {"$counter": [1, 1]},
-    {"$namespace": [1]}, {"$namespace": {"$items": [[1, 2]]}}, {"$namespace": None}, {"$path": ["/a"]},
+    {"$namespace": [1]}, {"$namespace": None}, {"$path": ["/a"]},
     {"$set": [[1]]}, {"$set": 1}, {"$device": "gpu:x"}, {"$bytearray": "%%"}, {"$bytes": 5}, {"$dtype": "load"},
-    {"$float": "abc"}, {"$int": 5}, {"$size": [1.5]}, {"$tuple": 5}, {"$items": [[{"a": 1}, 2]]}, {"$odict": [1]},
+    {"$float": "abc"}, {"$float": "1e5"}, {"$int": 5}, {"$size": [1.5]}, {"$size": [2**70]}, {"$size": [-3]},
+    {"$size": [True]}, {"$size": {}}, {"$tuple": 5}, {"$items": [[{"a": 1}, 2]]}, {"$odict": [1]},
+    {"$odict": [[1, 2], None]}, {"$odict": [{"a": 1}, 5]}, {"$namespace": [["a", 1]]}, {"$t": [1]}, {"$np": {}},
+    {"$view": {}}, {"$view": {"key": "v", "of": "w", "dtype": "F32", "shape": [2], "stride": [1, 1], "offset": 0}},
+    {"$view": {"key": "v", "of": "w", "dtype": "F32", "shape": [2], "stride": [1], "offset": -1}},
+    {"$view": {"key": "v", "of": "w", "dtype": "F32", "shape": [2], "stride": [-1], "offset": 1}},
+    {"$view": {"key": "v", "of": "w", "dtype": "F32", "shape": [2], "stride": [1], "offset": 1}},
+    {"$view": {"key": "v", "of": "w", "dtype": "F32", "shape": [9], "stride": [1], "offset": 0}},
+    {"$view": {"key": "v", "of": "w", "dtype": "X9", "shape": [1], "stride": [1], "offset": 0}},
+    {"$view": {"key": "v", "of": "w", "dtype": "I32", "shape": [1], "stride": [1], "offset": 0, "requires_grad": True}},
 ])  # fmt: skip
 def test_a_malformed_tag_is_a_corrupt_checkpoint(tag: dict[str, Any]) -> None:
     # state.json is checksummed, so only a writer set on it gets here; its load must
     # fail as damage (skipped for an older checkpoint), never build something else.
     with pytest.raises(CheckpointCorrupt, match=r"state\.json"):
-        decode_state({"x": tag}, lambda key: None, None)
+        decode_state({"x": tag}, lambda key: torch.zeros(2), None)  # every entry: 2 floats
 
 
 def test_a_numpy_scalar_no_kind_stores_is_refused(tmp_path: Path) -> None:

@@ -105,12 +105,15 @@ def test_conjugate_and_negative_bits_load_as_torch_load_gives_them(tmp_path: Pat
     assert layout(got) == layout(torch_loaded(state, tmp_path))  # values, bits, sharing
 
 
-def test_into_a_conjugate_tensor_gets_the_saved_values_not_their_bytes(tmp_path: Path) -> None:
-    w = torch.randn(1 << 18, dtype=torch.complex64)  # large: read straight into a plain target
-    path, man = saved({"w": w}, tmp_path)
+@pytest.mark.parametrize("n", [6, 1 << 18])  # small: copied in; large: read straight into a plain target
+def test_into_a_conjugate_tensor_gets_the_saved_values_not_their_bytes(tmp_path: Path, n: int) -> None:
+    w = torch.randn(n, dtype=torch.complex64)
+    path, man = saved({"w": w, "wc": w.conj(), "re": w.real}, tmp_path)  # views of w's storage
     target = torch.zeros_like(w).conj()
-    got = Engine().load(path, man, into={"w": target})
+    into = {"w": target, "wc": torch.zeros_like(w), "re": torch.zeros(n)}
+    got = Engine().load(path, man, into=into)
     assert got["w"] is target and target.is_conj() and torch.equal(target, w)
+    assert torch.equal(got["wc"], w.conj()) and torch.equal(got["re"], w.real)  # not read off target's bytes
 
 
 def starts(state: Any) -> dict[str, int]:

@@ -160,6 +160,34 @@ def test_conjugate_and_negative_views_are_stored_as_their_values(run_dir: Path, 
         assert torch.equal(target["conj"], z.conj()) and torch.equal(target["neg"], -z.imag), name
 
 
+def test_a_dtensor_state_keeps_numpy_arrays_and_tensors_inside_tuples_and_namespaces(run_dir: Path,
+                                                                                     one_rank: Any) -> None:  # fmt: skip
+    """What an FSDP2 loop saves beside its model: NumPy's and Python's RNG states (a
+    tuple holding an array), and tensors inside a tuple or an ``args`` Namespace."""
+    import argparse
+    import random
+
+    import numpy as np
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    np.random.seed(3)
+    rng = np.random.get_state()
+    s = {"w": distribute_tensor(torch.arange(8.0), one_rank, [Shard(0)]), "np": rng, "py": random.getstate(),
+         "pair": (torch.arange(3.0), 3), "args": argparse.Namespace(lr=0.1, mask=torch.ones(2))}  # fmt: skip
+    want = np.random.rand(3)
+    with Checkpointer(run_dir, scratch=False) as ck:
+        ck.save(s, step=1)
+        got = ck.load_latest(into={"w": distribute_tensor(torch.zeros(8), one_rank, [Shard(0)])})
+    loaded = sharded.load(run_dir)
+    assert loaded is not None
+    for state in (got, loaded.state):
+        np.random.set_state(state["np"])
+        assert np.array_equal(np.random.rand(3), want)  # NumPy's generator goes on as saved
+        assert state["py"] == s["py"]
+        assert torch.equal(state["pair"][0], torch.arange(3.0)) and state["pair"][1] == 3
+        assert type(state["args"]) is argparse.Namespace and torch.equal(state["args"].mask, torch.ones(2))
+
+
 def test_dtensors_save_whole_and_reload_into_dtensors(run_dir: Path, one_rank: Any) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 

@@ -208,7 +208,8 @@ def main() -> None:
     step, skip = 0, 0
     checkpoint = ckpt.load_latest()
     if checkpoint is not None:
-        if vars(checkpoint["args"]) != vars(hp):
+        saved = {k: v for k, v in vars(checkpoint["args"]).items() if k != "start_epoch"}  # set by a resume
+        if saved != {k: v for k, v in vars(hp).items() if k != "start_epoch"}:
             raise SystemExit(f"resumed with other hyperparameters: {checkpoint['args']} != {hp}")
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
