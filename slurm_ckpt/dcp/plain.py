@@ -52,7 +52,7 @@ from ..store.tensorfile import read_header
 from ..store.writer import OBJECTS_FILE, STATE_FILE
 from .index import Stored, block_size
 
-__all__ = ["Value", "plain_metadata", "state_values"]
+__all__ = ["Refused", "Value", "plain_metadata", "state_values"]
 
 _STATE_LIMIT = 1 << 30
 
@@ -138,6 +138,16 @@ def _tensor_marker(key: str) -> Any:
     return _TENSOR
 
 
+class Refused:
+    """A value :func:`_value` cannot give DCP; calling it raises why."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def __call__(self) -> bytes:
+        raise ConfigError(self.why)
+
+
 class _Pickled:
     """Stands for object ``i`` of ``objects.pkl`` until a byte item needs it."""
 
@@ -199,15 +209,18 @@ def _objects(ckpt: Path, man: Manifest, name: str, trusted: bool,
 
 
 def _value(ckpt: Path, fqn: str, value: Any, objects: Callable[[], list[Any]]) -> Value:
-    """The bytes DCP's planner unpickles one value from (``torch.save``), made when asked for:
-    a load that does not ask for a value (``slurm_ckpt.sharded``'s, which decodes the
-    state itself) never needs the bytes of one DCP cannot give."""
+    """The bytes DCP's planner unpickles one value from (``torch.save``), made when asked for.
+
+    A value holding tensors (or NumPy arrays, stored as tensors) is :class:`Refused`: the
+    reader refuses a load that asks for it before reading anything, and a load that does
+    not (``slurm_ckpt.sharded``'s, which decodes the state itself) is not disturbed by it.
+    """
+    if _holds(value, torch.Tensor):
+        # DCP keeps a tuple (or a list of lists) holding tensors as one pickled value.
+        return Refused(f"{ckpt}: {fqn!r} is a value holding tensors or arrays, which DCP would load as one "
+                       "pickle; load this checkpoint with Checkpointer.load_latest")  # fmt: skip
 
     def saved() -> bytes:
-        if _holds(value, torch.Tensor):
-            # DCP keeps a tuple (or a list of lists) holding tensors as one pickled value.
-            raise ConfigError(f"{ckpt}: {fqn!r} is a value holding tensors, which DCP would load as one "
-                              "pickle; load this checkpoint with Checkpointer.load_latest")  # fmt: skip
         v = _unmark(value, objects) if _holds(value, _Pickled) else value
         buf = io.BytesIO()
         torch.save(v, buf)

@@ -45,7 +45,7 @@ from ..store.layout import step_dir
 from ..store.manifest import Manifest
 from ..store.tiers import read_dirs
 from .index import Stored, is_dcp, metadata_of
-from .plain import Value, plain_metadata, state_values
+from .plain import Refused, Value, plain_metadata, state_values
 from .ranged import RangeReader, runs
 from .writer import parse_checkpoint_id
 
@@ -161,6 +161,10 @@ class StorageReader(_dcp_storage.StorageReader):
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         import dataclasses
 
+        for req in plan.items:  # before anything is read into the caller's state
+            value = self._values.get(req.storage_index.fqn)
+            if isinstance(value, Refused):
+                raise ConfigError(value.why)
         man = self.manifest
         return dataclasses.replace(plan, storage_data=(str(self.checkpoint), man.step if man else None,
                                                        man.time if man else None))  # fmt: skip

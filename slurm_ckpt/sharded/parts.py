@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..store.codec import encode_state, is_dtensor, path_parts
+from ..store.codec import array_tensor, encode_state, is_dtensor, path_parts
 from ..store.writer import OBJECTS_FILE, STATE_FILE
 
 __all__ = ["PER_RANK", "Prepared", "Ranks", "Split", "holds_dtensor", "prepare", "refs", "split"]
@@ -94,14 +94,9 @@ def split(state: Any, *, allow_pickle: bool = False, warn: bool = True) -> Split
 
 
 def _as_tensor(t: Any) -> Any:
-    """A numpy array (NumPy's RNG state) as a tensor over its memory: it is stored as a
-    chunk like any plain tensor, and the tree's ``$np`` gives it back as an array."""
-    if type(t).__module__ != "numpy":
-        return t
-    import numpy as np
-    import torch
-
-    return torch.from_numpy(np.ascontiguousarray(t))
+    """A NumPy array (NumPy's RNG state) as a tensor: it is stored as a chunk like any
+    plain tensor, and the tree's ``$np`` gives it back as an array."""
+    return array_tensor(t) if type(t).__module__ == "numpy" else t
 
 
 def holds_dtensor(state: Any) -> bool:

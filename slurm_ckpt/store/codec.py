@@ -75,6 +75,7 @@ from ..errors import CheckpointCorrupt, UnsafeLoad, UnsupportedValue
 __all__ = [
     "EncodedState",
     "TensorEntry",
+    "array_tensor",
     "decode_state",
     "encode_state",
     "is_dtensor",
@@ -284,11 +285,8 @@ def encode_state(
         # Arrays are stored whole, each on its own, as pickle stores them.
         ref = memo.get(id(a))
         if ref is None:
-            import numpy as np
-            import torch
-
             key = new_key(path)
-            t = torch.from_numpy(np.ascontiguousarray(a))
+            t = array_tensor(a)
             out.leaves[key] = t
             entry(key, t)
             ref = memo[id(a)] = {"$np": key}
@@ -322,7 +320,8 @@ def encode_state(
         if tname == "numpy":
             import numpy as np
 
-            if isinstance(obj, np.ndarray) and obj.dtype != object:
+            if type(obj) is np.ndarray and obj.dtype != object:
+                # Not a subclass (a masked array): stored as a plain array, it would lose its mask.
                 return array_ref(obj, path)
             if isinstance(obj, np.generic) and obj.dtype.kind in _NP_SCALAR_KINDS:
                 # Kept a numpy scalar, not turned into a Python one: arithmetic
@@ -365,14 +364,13 @@ def encode_state(
             tag = "$bytearray" if type(obj) is bytearray else "$bytes"
             return {tag: base64.b64encode(bytes(obj)).decode("ascii")}
         if type(obj) is set:
-            odd = next((v for v in obj if not _plain_hashable(v)), None)
-            if odd is not None:
+            items = [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]
+            if _refers(items, {id(ref) for ref in memo.values()}):
                 # A tensor hashes by identity: which saved one a loaded one stands for
                 # (for into=, for DCP) would depend on the set's order in each process.
-                raise UnsupportedValue(f"{path or '/'}: a set holding a {type(odd).__qualname__}; only "
-                                       "numbers, strings, bytes and tuples of them are stored in a set: "
+                raise UnsupportedValue(f"{path or '/'}: a set holding a tensor or a pickled object; "
                                        "store a list instead")  # fmt: skip
-            return {"$set": [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]}
+            return {"$set": items}
         if allow_pickle:
             out.objects.append(obj)
             return {"$pickle": len(out.objects) - 1}
@@ -486,6 +484,13 @@ def _one_of(val: Any, allowed: tuple[str, ...]) -> str:
     return str(val)
 
 
+def _ints(val: Any) -> list[int]:
+    """A ``torch.Size``: a list of ints (not bools) that fit in int64, negative ones too."""
+    if not isinstance(val, list) or not all(type(d) is int and -(2**63) <= d < 2**63 for d in val):
+        raise ValueError("not a size")
+    return val
+
+
 def _dims(val: Any) -> list[int]:
     """A shape: a list of ints, each a valid size (not a bool, not negative, fits in int64)."""
     if not isinstance(val, list) or not all(type(d) is int and 0 <= d < 2**63 for d in val):
@@ -531,7 +536,7 @@ _LEAVES: dict[str, Callable[[Any], Any]] = {
     "$int": lambda v: int(_str(v), 16),
     "$dtype": _dtype,
     "$device": lambda v: _torch().device(_str(v)),
-    "$size": lambda v: _torch().Size(_dims(v)),
+    "$size": lambda v: _torch().Size(_ints(v)),
     "$path": lambda v: Path(_str(v)),
 }
 """The tags whose value is a plain JSON value, with what each decodes to."""
@@ -562,14 +567,27 @@ def _namespace(attrs: Any) -> Any:
     return namespace(attrs)
 
 
-def _plain_hashable(v: Any) -> bool:
-    """Whether ``v`` is a value a ``$set`` stores: a number, string or bytes, or a tuple of them."""
-    if v is None or type(v) in (bool, int, float, complex, str, bytes):
-        return True
-    if type(v) is tuple:
-        return all(_plain_hashable(x) for x in v)
-    np = sys.modules.get("numpy")
-    return np is not None and isinstance(v, np.generic) and v.dtype.kind in _NP_SCALAR_KINDS
+def _refers(tree: Any, refs: set[int]) -> bool:
+    """Whether an encoded value refers to a tensor, an array or a pickled object
+    (``refs``: the ids of the tensor tags :func:`encode_state` fills in at its end)."""
+    if isinstance(tree, list):
+        return any(_refers(v, refs) for v in tree)
+    if isinstance(tree, dict):
+        if id(tree) in refs or (len(tree) == 1 and next(iter(tree)) in ("$t", "$view", "$np", "$pickle")):
+            return True
+        return any(_refers(v, refs) for v in tree.values())
+    return False
+
+
+def array_tensor(a: Any) -> Any:
+    """A tensor over a NumPy array's memory, to store it: of its shape (0-d too), and
+    over a copy where the array is not C-contiguous or not writable (a load ``into=``
+    writes through it)."""
+    import torch
+
+    if not (a.flags.c_contiguous and a.flags.writeable):
+        a = a.copy(order="C")
+    return torch.from_numpy(a)
 
 
 _PATH = type(Path())  # this system's concrete Path: PosixPath on Linux
@@ -761,7 +779,7 @@ def decode_state(
                 if len(pair := _list(tag, val)) != 2:
                     raise CheckpointCorrupt(f"state.json: a bad odict {val!r:.80}")
                 body, meta = (dec(v) for v in pair)
-                if not isinstance(body, dict) or not (meta is None or isinstance(meta, dict)):
+                if not isinstance(body, dict):
                     raise CheckpointCorrupt(f"state.json: a bad odict {val!r:.80}")
                 od = OrderedDict(body)
                 if meta is not None:

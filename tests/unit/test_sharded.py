@@ -173,7 +173,8 @@ def test_a_dtensor_state_keeps_numpy_arrays_and_tensors_inside_tuples_and_namesp
     np.random.seed(3)
     rng = np.random.get_state()
     s = {"w": distribute_tensor(torch.arange(8.0), one_rank, [Shard(0)]), "np": rng, "py": random.getstate(),
-         "pair": (torch.arange(3.0), 3), "args": argparse.Namespace(lr=0.1, mask=torch.ones(2))}  # fmt: skip
+         "pair": (torch.arange(3.0), 3), "args": argparse.Namespace(lr=0.1, mask=torch.ones(2)),
+         "best": np.array(0.25)}  # fmt: skip
     want = np.random.rand(3)
     with Checkpointer(run_dir, scratch=False) as ck:
         ck.save(s, step=1)
@@ -186,6 +187,16 @@ def test_a_dtensor_state_keeps_numpy_arrays_and_tensors_inside_tuples_and_namesp
         assert state["py"] == s["py"]
         assert torch.equal(state["pair"][0], torch.arange(3.0)) and state["pair"][1] == 3
         assert type(state["args"]) is argparse.Namespace and torch.equal(state["args"].mask, torch.ones(2))
+        assert state["best"].shape == () and state["best"] == 0.25
+    # dcp.load cannot be given a value holding tensors or arrays: refused before anything is read.
+    import torch.distributed.checkpoint as dcp
+
+    from slurm_ckpt.dcp import StorageReader
+
+    target = {"w": distribute_tensor(torch.zeros(8), one_rank, [Shard(0)]), "np": None}
+    with pytest.raises(BaseException, match=r"'np' is a value holding tensors or arrays.*Checkpointer\.load_latest"):
+        dcp.load(target, storage_reader=StorageReader(run_dir))
+    assert torch.equal(target["w"].full_tensor(), torch.zeros(8))
 
 
 def test_dtensors_save_whole_and_reload_into_dtensors(run_dir: Path, one_rank: Any) -> None:
