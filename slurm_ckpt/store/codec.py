@@ -320,7 +320,7 @@ def encode_state(
         if tname == "numpy":
             import numpy as np
 
-            if type(obj) is np.ndarray and obj.dtype != object:
+            if type(obj) is np.ndarray and _tensor_dtype(obj.dtype):
                 # Not a subclass (a masked array): stored as a plain array, it would lose its mask.
                 return array_ref(obj, path)
             if isinstance(obj, np.generic) and obj.dtype.kind in _NP_SCALAR_KINDS:
@@ -577,6 +577,13 @@ def _refers(tree: Any, refs: set[int]) -> bool:
             return True
         return any(_refers(v, refs) for v in tree.values())
     return False
+
+
+def _tensor_dtype(dtype: Any) -> bool:
+    """Whether a tensor can hold an array of ``dtype``: numbers and bools of at most 64 bits
+    a part, in this machine's byte order (not strings, datetimes, ``longdouble``, objects)."""
+    size = dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
+    return dtype.isnative and dtype.kind in "biufc" and size <= 8
 
 
 def array_tensor(a: Any) -> Any:

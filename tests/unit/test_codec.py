@@ -291,6 +291,16 @@ def test_numpy_arrays_keep_their_shape_and_a_masked_one_is_not_stored_as_a_plain
     with Checkpointer(tmp_path, allow_pickle=True) as ck:
         ck.save({"m": masked}, step=1)
         assert ck.load_latest(trusted=True)["m"].mask.tolist() == [False, True]
+    # Arrays no tensor can hold: refused naming where, or pickled whole when allowed.
+    odd = {"be": np.arange(3, dtype=">f4"), "names": np.array(["ab", "c"]), "when": np.array(["2026-12-02"], "M8[s]"),
+           "long": np.zeros(2, dtype=np.longdouble)}  # fmt: skip
+    for key, a in odd.items():
+        with pytest.raises(UnsupportedValue, match=rf"/{key}: cannot store a ndarray safely.*allow_pickle=True"):
+            round_trip({key: a})
+    with Checkpointer(tmp_path, allow_pickle=True) as ck:
+        ck.save(odd, step=2)
+        got = ck.load_latest(trusted=True)
+    assert all(np.array_equal(got[k], a) and got[k].dtype == a.dtype for k, a in odd.items())
 
 
 def test_into_a_read_only_array_leaves_its_memory_alone(tmp_path: Path) -> None:
