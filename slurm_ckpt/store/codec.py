@@ -68,9 +68,11 @@ from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import CheckpointCorrupt, UnsafeLoad, UnsupportedValue
+
+_T = TypeVar("_T")
 
 __all__ = [
     "EncodedState",
@@ -241,6 +243,7 @@ def encode_state(
     torch_mod = sys.modules.get("torch")  # no tensor without it
     tensor_type, strided = getattr(torch_mod, "Tensor", None), getattr(torch_mod, "strided", None)
     memo: dict[int, dict[str, Any]] = {}  # id(tensor or array) -> its tag object
+    refs = [0]  # tensor, array and pickle references made so far (a set may hold none)
     storages: dict[int, list[_Leaf]] = {}  # storage -> the tensors on it, in order
     # safetensors reserves "__metadata__" for its own header entry.
     keys: set[str] = {"__metadata__"}
@@ -257,6 +260,7 @@ def encode_state(
         out.tensors.append(TensorEntry(key, data, st_dtype(t.dtype), list(t.shape)))
 
     def tensor_ref(t: Any, path: str) -> dict[str, Any]:
+        refs[0] += 1
         if refer is not None:
             return {"$t": refer(t, path)}
         if type(t) is not tensor_type and is_dtensor(t):
@@ -280,6 +284,7 @@ def encode_state(
         return ref
 
     def array_ref(a: Any, path: str) -> dict[str, Any]:
+        refs[0] += 1
         if refer is not None:
             return {"$np": refer(a, path)}
         # Arrays are stored whole, each on its own, as pickle stores them.
@@ -364,14 +369,16 @@ def encode_state(
             tag = "$bytearray" if type(obj) is bytearray else "$bytes"
             return {tag: base64.b64encode(bytes(obj)).decode("ascii")}
         if type(obj) is set:
+            before = refs[0]
             items = [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]
-            if _refers(items, {id(ref) for ref in memo.values()}):
+            if refs[0] != before:
                 # A tensor hashes by identity: which saved one a loaded one stands for
                 # (for into=, for DCP) would depend on the set's order in each process.
                 raise UnsupportedValue(f"{path or '/'}: a set holding a tensor or a pickled object; "
                                        "store a list instead")  # fmt: skip
             return {"$set": items}
         if allow_pickle:
+            refs[0] += 1
             out.objects.append(obj)
             return {"$pickle": len(out.objects) - 1}
         raise UnsupportedValue(
@@ -466,8 +473,9 @@ def _dict_of_kind(tag: str, val: Any, dec: Callable[[Any], Any]) -> Any:
     return Counter(items) if tag == "$counter" else defaultdict(_FACTORY_BY_NAME[name], items)
 
 
-def _list(tag: str, val: Any) -> list[Any]:
-    if not isinstance(val, list):
+def _of(kind: type[_T], tag: str, val: Any) -> _T:
+    """``val``, the value of ``tag``, if it is a ``kind``; damage otherwise."""
+    if not isinstance(val, kind):
         raise CheckpointCorrupt(f"state.json: a bad {tag[1:]} {val!r:.80}")
     return val
 
@@ -495,12 +503,6 @@ def _dims(val: Any) -> list[int]:
     """A shape: a list of ints, each a valid size (not a bool, not negative, fits in int64)."""
     if not isinstance(val, list) or not all(type(d) is int and 0 <= d < 2**63 for d in val):
         raise ValueError("not a shape")
-    return val
-
-
-def _key(tag: str, val: Any) -> str:
-    if not isinstance(val, str):
-        raise CheckpointCorrupt(f"state.json: a bad {tag[1:]} {val!r:.80}")
     return val
 
 
@@ -565,18 +567,6 @@ def _namespace(attrs: Any) -> Any:
     if not isinstance(attrs, dict):
         raise CheckpointCorrupt(f"state.json: a bad namespace {attrs!r:.80}")
     return namespace(attrs)
-
-
-def _refers(tree: Any, refs: set[int]) -> bool:
-    """Whether an encoded value refers to a tensor, an array or a pickled object
-    (``refs``: the ids of the tensor tags :func:`encode_state` fills in at its end)."""
-    if isinstance(tree, list):
-        return any(_refers(v, refs) for v in tree)
-    if isinstance(tree, dict):
-        if id(tree) in refs or (len(tree) == 1 and next(iter(tree)) in ("$t", "$view", "$np", "$pickle")):
-            return True
-        return any(_refers(v, refs) for v in tree.values())
-    return False
 
 
 def _tensor_dtype(dtype: Any) -> bool:
@@ -752,16 +742,16 @@ def decode_state(
         if len(obj) == 1:
             (tag, val), = obj.items()
             if tag == "$t":  # saved on the CPU
-                return filled(val, placed(val, tensor(_key(tag, val)), "cpu", val))
+                return filled(val, placed(val, tensor(_of(str, tag, val)), "cpu", val))
             if tag == "$view":
                 return view(_view_record(val))
             if tag == "$np":
-                return array(_key(tag, val))
+                return array(_of(str, tag, val))
             if tag == "$tuple":
-                return tuple(dec(v) for v in _list(tag, val))
+                return tuple(dec(v) for v in _of(list, tag, val))
             if tag == "$set":
                 try:
-                    return {dec(v) for v in _list(tag, val)}
+                    return {dec(v) for v in _of(list, tag, val)}
                 except TypeError:  # an element that cannot be in a set
                     raise CheckpointCorrupt(f"state.json: a bad set {val!r:.80}") from None
             if tag == "$npscalar":
@@ -771,7 +761,7 @@ def decode_state(
                     raise CheckpointCorrupt(f"state.json: a bad complex number {val!r:.80}")
                 return complex(_number(val[0]), _number(val[1]))
             if tag == "$items":
-                pairs = _list(tag, val)
+                pairs = _of(list, tag, val)
                 if not all(isinstance(kv, list) and len(kv) == 2 for kv in pairs):
                     raise CheckpointCorrupt(f"state.json: a bad items {val!r:.80}")
                 try:
@@ -783,7 +773,7 @@ def decode_state(
             if tag == "$namespace":
                 return _namespace(dec(val))
             if tag == "$odict":
-                if len(pair := _list(tag, val)) != 2:
+                if len(pair := _of(list, tag, val)) != 2:
                     raise CheckpointCorrupt(f"state.json: a bad odict {val!r:.80}")
                 body, meta = (dec(v) for v in pair)
                 if not isinstance(body, dict):
