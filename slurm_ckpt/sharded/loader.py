@@ -133,7 +133,7 @@ def load_checkpoint(ckpt: Path, man: Manifest, *, into: Any, group: RankGroup | 
     Raises :class:`CheckpointCorrupt` on every rank when any rank found damage.
     """
     ranks = Ranks(group.pg) if group is not None else Ranks(alone=True)
-    targets = split(into, allow_pickle=True, warn=False).tensors if into is not None else {}
+    targets = split(into, allow_pickle=True, stored=False).tensors if into is not None else {}
     got, why = load_one(ckpt, man, targets, ranks, trusted=trusted, config=config, device=device)
     if got is None:
         raise CheckpointCorrupt(f"{ckpt}: {why}", ckpt)

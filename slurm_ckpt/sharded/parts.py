@@ -69,10 +69,10 @@ class Split:
     objects: list[Any]
 
 
-def split(state: Any, *, allow_pickle: bool = False, warn: bool = True) -> Split:
+def split(state: Any, *, allow_pickle: bool = False, stored: bool = True) -> Split:
     """The state's values as a JSON tree whose tensors are ``{"$t": key}`` references.
 
-    The same tensor object at two places (tied weights) is one key. ``warn``: as
+    The same tensor object at two places (tied weights) is one key. ``stored``: as
     :func:`~slurm_ckpt.store.codec.encode_state`'s.
     """
     tensors: dict[str, Any] = {}
@@ -89,7 +89,7 @@ def split(state: Any, *, allow_pickle: bool = False, warn: bool = True) -> Split
         by_id[id(t)] = key
         return key
 
-    enc = encode_state(state, allow_pickle=allow_pickle, refer=refer, warn=warn)
+    enc = encode_state(state, allow_pickle=allow_pickle, refer=refer, stored=stored)
     return Split(enc.tree, tensors, enc.objects)
 
 

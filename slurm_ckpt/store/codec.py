@@ -223,12 +223,13 @@ def encode_state(
     allow_pickle: bool = False,
     prepare: Callable[[Any], Any] | None = None,
     refer: Callable[[Any, str], str] | None = None,
-    warn: bool = True,
+    stored: bool = True,
 ) -> EncodedState:
     """Split ``state`` into a JSON tree and a list of data-file entries.
 
-    ``warn``: say, once, which dict and list subclasses were stored as plain
-    ones (off where a state is encoded to be matched, not stored).
+    ``stored``: false where a state is encoded to be matched (an ``into=``
+    target), not stored: then no warning says which dict and list subclasses
+    were stored as plain ones, and tensors on the meta device are taken.
 
     ``prepare`` maps each entry's tensor to the CPU contiguous tensor that will
     be written (the engine passes its staging copy here); by default tensors are
@@ -261,6 +262,17 @@ def encode_state(
 
     def tensor_ref(t: Any, path: str) -> dict[str, Any]:
         refs[0] += 1
+        if stored and t.is_meta:
+            # No memory behind it: its bytes would be read from address 0. torch.save
+            # keeps only its shape, so a resume would train on from weights never saved.
+            raise UnsupportedValue(
+                f"{path or '/'}: a tensor on the meta device has no data to save: materialize "
+                "the module first (module.to_empty(device=...), then initialize it), or leave "
+                "the tensor out of the state"
+            )
+        if t.is_nested:
+            raise UnsupportedValue(f"{path or '/'}: a nested tensor cannot be stored; "
+                                   "store its components (list(t.unbind()))")  # fmt: skip
         if refer is not None:
             return {"$t": refer(t, path)}
         if type(t) is not tensor_type and is_dtensor(t):
@@ -313,8 +325,9 @@ def encode_state(
             import torch
 
             if isinstance(obj, torch.Tensor):
-                if obj.is_sparse or obj.layout != torch.strided:
-                    raise UnsupportedValue(f"{path}: sparse tensors are not supported; call .to_dense()")
+                if obj.layout != torch.strided and not obj.is_nested:
+                    raise UnsupportedValue(f"{path or '/'}: a tensor of layout {obj.layout} cannot be "
+                                           "stored; store t.to_dense()")  # fmt: skip
                 return tensor_ref(obj, path)
             if isinstance(obj, torch.dtype):
                 return {"$dtype": str(obj).removeprefix("torch.")}
@@ -389,7 +402,7 @@ def encode_state(
     out.tree = enc(state, "")
     for group in storages.values():
         _store(group, entry)
-    if plain and warn:
+    if plain and stored:
         more = f" (and {len(plain) - 3} more)" if len(plain) > 3 else ""
         warnings.warn(f"stored as plain ones, these load as such: {'; '.join(plain[:3])}{more}", UserWarning,
                       stacklevel=3)  # fmt: skip

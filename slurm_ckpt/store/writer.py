@@ -179,7 +179,7 @@ def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict
         return {}, set()
     # A tensor that matches nothing would silently keep its old values, and a
     # trainer that relies on into= would train on from them: refuse up front.
-    targets = encode_state(into, allow_pickle=True, prepare=lambda t: t, warn=False).leaves
+    targets = encode_state(into, allow_pickle=True, prepare=lambda t: t, stored=False).leaves
     saved = tensor_refs(tree)
     missing = sorted(set(targets) - set(saved))
     if missing:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import struct
+import subprocess
+import sys
 import tempfile
 import warnings
 from collections import Counter, OrderedDict, defaultdict
@@ -386,15 +389,53 @@ def test_arbitrary_objects_need_allow_pickle(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("step-*")), "a refused save must not commit anything"
 
 
-@pytest.mark.parametrize("make", [lambda t: t.to_sparse(), lambda t: t.to_sparse_csr()], ids=["coo", "csr"])
-def test_a_sparse_tensor_is_refused_with_the_fix_named(tmp_path: Path, make: Any) -> None:
-    # A plain torch.Tensor by type, so the encoder's first check for the
-    # common case must look at its layout too.
-    sparse = make(torch.eye(3))
-    assert type(sparse) is torch.Tensor
-    with Checkpointer(tmp_path) as ck, pytest.raises(UnsupportedValue, match=r"/w: sparse .*to_dense"):
-        ck.save({"w": sparse, "b": torch.ones(2)}, step=1)
-    assert not list(tmp_path.glob("step-*"))
+NO_PLAIN_STORAGE = {
+    "coo": ("torch.eye(3).to_sparse()", r"layout torch.sparse_coo .*to_dense"),
+    "csr": ("torch.eye(3).to_sparse_csr()", r"layout torch.sparse_csr .*to_dense"),
+    "nested": ("torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])", r"nested tensor.*unbind"),
+    "jagged": ("torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)",
+               r"nested tensor.*unbind"),
+    # Its bytes were read from address 0: the save died with SIGSEGV.
+    "meta": ("torch.empty(300, device='meta')", r"meta device has no data.*to_empty"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", NO_PLAIN_STORAGE)
+def test_a_tensor_with_no_plain_storage_is_refused_with_the_fix_named(tmp_path: Path, kind: str) -> None:
+    # Each of these is a plain torch.Tensor by type (but the jagged one), so the
+    # encoder's first check for the common case must not take them. In a child
+    # process, so a save that crashes is a failure, not the end of the suite.
+    make, message = NO_PLAIN_STORAGE[kind]
+    code = f"""
+import sys, warnings, torch
+import torch.distributed as dist
+from slurm_ckpt import Checkpointer, UnsupportedValue, sharded
+from slurm_ckpt.config import Config, EngineConfig
+warnings.simplefilter("ignore")
+run = sys.argv[1]
+for how in ("save", "copy", "fork", "overlap", "lazy", "sharded"):
+    state = {{"b": torch.ones(2), "w": {make}}}
+    try:
+        if how == "save":
+            with Checkpointer(run) as ck:
+                ck.save(state, step=1)
+        elif how == "sharded":
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            sharded.save(state, run, 1)
+        else:
+            with Checkpointer(run, config=Config(engine=EngineConfig(snapshot=how))) as ck:
+                ck.save_async(state, step=1).wait()
+        print(how, "saved")
+    except UnsupportedValue as e:
+        print(how, e)
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["save", "copy", "fork", "overlap", "lazy", "sharded"], lines
+    for line in lines:
+        assert re.search(r"^\S+ /w: .*" + message, line), line
+    assert not list(tmp_path.glob("step-*")), "a refused save must not commit anything"
 
 
 def test_pickled_objects_load_only_when_trusted(tmp_path: Path) -> None:
