@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpointer import Checkpointer
+from ..engine import Engine
 from ..errors import NoCheckpoint
 from ..store import Skipped, iter_valid
 from ..store.fsutil import fsync_dir, write_file_durably
 
-__all__ = ["load_step", "read_pointer", "write_pointer"]
+__all__ = ["Pointer", "load_step", "read_pointer", "write_pointer"]
 
 _FORMAT = "slurm-ckpt-pointer"
 # A pointer is a few dozen bytes; a real checkpoint file under the same name is
@@ -26,19 +27,28 @@ _FORMAT = "slurm-ckpt-pointer"
 _MAX_POINTER = 4096
 
 
-def load_step(ckpt: Checkpointer, step: int, *, trusted: bool = False) -> Any:
-    """The state of checkpoint ``step`` in ``ckpt``'s run dirs (fastest tier first)."""
+@dataclass(frozen=True)
+class Pointer:
+    """What a pointer file names: a step, and the run dir it was committed to."""
+
+    step: int
+    run_dir: Path
+
+
+def load_step(dirs: list[Path], engine: Engine, step: int, *, trusted: bool = False,
+              map_location: Any = None) -> Any:  # fmt: skip
+    """The state of checkpoint ``step`` in the run dirs ``dirs`` (fastest tier first)."""
     skipped: list[Skipped] = []
-    for cand in iter_valid(ckpt.search_dirs, full=False, skipped=skipped):
+    for cand in iter_valid(dirs, full=False, skipped=skipped):
         if cand.step == step:
-            return ckpt.engine.load(cand.path, cand.manifest, trusted=trusted)
+            return engine.load(cand.path, cand.manifest, trusted=trusted, map_location=map_location)
         if cand.step < step:
             break
     why = "".join(f"; {s.path} was skipped: {s.reason}" for s in skipped)
     raise NoCheckpoint(
-        f"checkpoint step {step} is not in {', '.join(map(str, ckpt.search_dirs))} or does not "
-        f"verify{why}. Retention keeps the newest {ckpt.keep} (storage.keep): raise it to keep "
-        "older ones, or resume from the newest valid checkpoint (load_latest)"
+        f"checkpoint step {step} is not in {', '.join(map(str, dirs))} or does not verify{why}. "
+        "Retention keeps the newest storage.keep checkpoints (Checkpointer(keep=N)): raise it to "
+        "keep older ones, or resume from the newest valid checkpoint (load_latest)"
     )
 
 
@@ -55,8 +65,8 @@ def write_pointer(path: Path, step: int, run_dir: Path) -> None:
     fsync_dir(path.parent)
 
 
-def read_pointer(path: Path) -> int | None:
-    """The step a pointer file names, or None if ``path`` is not one (a torch file, say)."""
+def read_pointer(path: Path) -> Pointer | None:
+    """What a pointer file names, or None if ``path`` is not one (a torch file, say)."""
     try:
         with open(path, "rb") as f:
             head = f.read(_MAX_POINTER + 1)
@@ -70,4 +80,4 @@ def read_pointer(path: Path) -> int | None:
         return None
     if not isinstance(body, dict) or body.get("format") != _FORMAT:
         return None
-    return int(body["step"])
+    return Pointer(int(body["step"]), Path(body["run_dir"]))

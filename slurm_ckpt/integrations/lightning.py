@@ -22,7 +22,9 @@ works as it does with Lightning's own files. A checkpoint's data lives as long
 as retention keeps it (the newest ``storage.keep``): a pointer to a step that
 retention removed fails to load with an error that says so. Weights-only
 checkpoints (``save_weights_only=True``) are exports, not points to resume
-from: they are written as Lightning's own torch files.
+from: they are written as Lightning's own torch files. Lightning's
+``Model.load_from_checkpoint`` cannot read a pointer: :func:`load_from_checkpoint`
+is the same call for one.
 
 :class:`PreemptionCallback` turns ``ckpt.preempted`` (the wrapper's signal)
 into a checkpoint at the next batch boundary, committed before ``fit`` stops,
@@ -45,12 +47,14 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
 from ..checkpointer import Checkpointer, SaveHandle
+from ..config import load_config
+from ..engine import Engine
 from ..errors import ConfigError
 from ..loopstate import rng_state, set_rng_state
 from ..store.manifest import MANIFEST
 from ._steps import load_step, read_pointer, write_pointer
 
-__all__ = ["PreemptionCallback", "SlurmCkptIO", "plugins"]
+__all__ = ["PreemptionCallback", "SlurmCkptIO", "load_from_checkpoint", "plugins"]
 
 log = logging.getLogger("slurm_ckpt")
 
@@ -130,10 +134,12 @@ class SlurmCkptIO(CheckpointIO):
         p = Path(path)
         step = _step_of_dir(p)
         if step is None:
-            step = read_pointer(p)
+            pointer = read_pointer(p)
+            step = pointer.step if pointer is not None else None
         if step is None:  # a file Lightning wrote itself: read it as Lightning would
             return self._torch.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        loaded: dict[str, Any] = load_step(self.ckpt, step, trusted=self.trusted)
+        loaded: dict[str, Any] = load_step(self.ckpt.search_dirs, self.ckpt.engine, step, trusted=self.trusted,
+                                           map_location=map_location)  # fmt: skip
         return loaded
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -164,6 +170,47 @@ def _step_of_dir(path: Path) -> int | None:
         return int(path.name.removeprefix("step-"))
     except ValueError:
         return None
+
+
+def load_from_checkpoint(cls: type[Any], checkpoint_path: str | Path, *, map_location: Any = None,
+                         trusted: bool = False, **kwargs: Any) -> Any:  # fmt: skip
+    """``cls.load_from_checkpoint(checkpoint_path, ...)`` for a file :class:`SlurmCkptIO` left.
+
+    ``cls`` is a ``LightningModule`` (or ``LightningDataModule``) class. The
+    files SlurmCkptIO leaves where Lightning asked (``best_model_path``,
+    ``last.ckpt``) are pointers, and Lightning's own ``load_from_checkpoint``
+    reads a path with ``torch.load``, which cannot read one. This reads the
+    step the pointer names from the run dir it names (verified as it is read;
+    ``SLURM_CKPT_DIR`` need not be set) and hands the state to
+    ``cls.load_from_checkpoint``, so its hyperparameters, keyword overrides
+    (``strict``, ``hparams_file``, ``__init__`` arguments), ``map_location``
+    and the module's ``on_load_checkpoint`` work as for Lightning's files. On
+    the way the state passes through ``torch.save`` into memory: for a moment
+    the checkpoint is held twice. A file Lightning wrote itself (a weights-only
+    export) goes to ``cls.load_from_checkpoint`` unchanged. ``trusted``: allow
+    pickled values, as :class:`SlurmCkptIO`'s.
+    """
+    import io
+
+    import torch
+
+    pointer = read_pointer(Path(checkpoint_path)) if isinstance(checkpoint_path, (str, Path)) else None
+    if pointer is None:
+        return cls.load_from_checkpoint(checkpoint_path, map_location=map_location, **kwargs)
+    # Lightning's default (and any function) maps devices that are missing here
+    # to the CPU; it applies again to the copy below.
+    where = map_location
+    if where is None or callable(where):
+        where = None if torch.cuda.is_available() else "cpu"
+    state = load_step([pointer.run_dir], Engine(load_config().engine), pointer.step, trusted=trusted,
+                      map_location=where)  # fmt: skip
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    del state
+    buf.seek(0)
+    # What was pickled here is what this process has just decoded: weights_only
+    # would refuse the NumPy RNG states in it, and guards nothing.
+    return cls.load_from_checkpoint(buf, map_location=map_location, weights_only=False, **kwargs)
 
 
 def plugins(io: SlurmCkptIO | None = None) -> list[Any]:

@@ -22,9 +22,9 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from slurm_ckpt import Checkpointer, ConfigError
-from slurm_ckpt.integrations._steps import read_pointer
-from slurm_ckpt.integrations.lightning import PreemptionCallback, SlurmCkptIO
+from slurm_ckpt import Checkpointer, ConfigError, NoCheckpoint
+from slurm_ckpt.integrations._steps import Pointer, read_pointer
+from slurm_ckpt.integrations.lightning import PreemptionCallback, SlurmCkptIO, load_from_checkpoint
 
 
 class Tiny(LightningModule):
@@ -40,6 +40,24 @@ class Tiny(LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class WithHparams(LightningModule):
+    """A module that saves its __init__ arguments, as most Lightning modules do."""
+
+    def __init__(self, lr: float = 0.1, width: int = 3, tags: tuple[str, ...] = ("a",)) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x).squeeze(1), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
 def _loader() -> DataLoader[Any]:
@@ -73,9 +91,11 @@ def test_first_fit_starts_fresh_and_model_checkpoint_options_keep_working(tmp_pa
     assert _steps(tmp_path / "run") == [4, 8, 12]
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert len(names) == 3 and "last.ckpt" in names  # top-2 plus last; the third was removed
-    assert read_pointer(tmp_path / "ckpt" / "last.ckpt") == 12
+    assert read_pointer(tmp_path / "ckpt" / "last.ckpt") == Pointer(12, tmp_path / "run")
     best = Path(mc.best_model_path)
-    step = read_pointer(best)
+    pointer = read_pointer(best)
+    assert pointer is not None
+    step = pointer.step
     assert step in (4, 8, 12) and f"step={step}" in best.name
     loaded = io.load_checkpoint(best)
     assert loaded["global_step"] == step
@@ -101,7 +121,7 @@ def test_signal_checkpoints_at_the_next_batch_and_stops_fit(tmp_path: Path, io: 
 
     assert preempt.stopped and preempt.step == 5 and trainer.global_step == 5
     assert _steps(tmp_path / "run") == [5]
-    assert read_pointer(tmp_path / "preempted.ckpt") == 5
+    assert read_pointer(tmp_path / "preempted.ckpt") == Pointer(5, tmp_path / "run")
     assert f"committed 5 {tmp_path / 'run' / 'step-000000005'}" in control.read_text()
     state = io.load_checkpoint(str(tmp_path / "run" / "step-000000005"))
     assert state["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"] == 5
@@ -144,7 +164,7 @@ def test_async_save_commits_and_writes_pointers_by_teardown(tmp_path: Path, io: 
     model = Tiny()
     trainer.fit(model, _loader())
     assert _steps(tmp_path / "run") == [3, 6, 9]
-    assert sorted(read_pointer(p) for p in (tmp_path / "ckpt").iterdir()) == [3, 6, 9]
+    assert sorted(read_pointer(p).step for p in (tmp_path / "ckpt").iterdir()) == [3, 6, 9]  # type: ignore[union-attr]
     saved = io.load_checkpoint(tmp_path / "ckpt" / "epoch=0-step=9.ckpt")["state_dict"]
     assert torch.equal(saved["net.weight"], model.net.weight.detach())
 
@@ -160,3 +180,40 @@ def test_lightning_hpc_resume_fails_on_the_first_run_where_resume_path_starts_fr
     trainer = _trainer(tmp_path, io, [PreemptionCallback()], steps=2)
     trainer.fit(Tiny(), _loader(), ckpt_path=io.resume_path())
     assert trainer.global_step == 2
+
+
+def test_load_from_checkpoint_reads_a_pointer_as_lightning_reads_its_own_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Model.load_from_checkpoint(best_model_path)``, the usual way to get the trained model."""
+    paths = {}
+    for name, plugins in (("ours", [SlurmCkptIO(Checkpointer(tmp_path / "run", scratch=False, keep=2))]),
+                          ("lightning", [])):  # fmt: skip
+        torch.manual_seed(0)
+        mc = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=4, save_top_k=2, monitor="train_loss")
+        trainer = Trainer(max_steps=12, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          default_root_dir=tmp_path, plugins=plugins, callbacks=[mc])  # fmt: skip
+        trainer.fit(WithHparams(lr=0.05, tags=("x", "y")), _loader())
+        paths[name] = Path(mc.best_model_path)
+    ours, theirs = paths["ours"], paths["lightning"]
+    assert ours.name == theirs.name and read_pointer(ours) is not None and read_pointer(theirs) is None
+    with pytest.raises(Exception, match=r"(?i)unpickl|load key"):  # Lightning's reader: torch.load of the pointer
+        WithHparams.load_from_checkpoint(ours)
+
+    # An evaluation script elsewhere: the pointer names its run dir.
+    monkeypatch.delenv("SLURM_CKPT_DIR", raising=False)
+    monkeypatch.chdir(tmp_path / "lightning")
+    for kwargs in ({}, {"lr": 0.5, "map_location": "cpu", "strict": True}):
+        got, want = load_from_checkpoint(WithHparams, ours, **kwargs), WithHparams.load_from_checkpoint(theirs, **kwargs)
+        assert type(got) is WithHparams and dict(got.hparams) == dict(want.hparams), (got.hparams, want.hparams)
+        assert got.hparams["tags"] == ("x", "y") and got.hparams["lr"] == kwargs.get("lr", 0.05)
+        assert got.state_dict().keys() == want.state_dict().keys()
+        for k, v in want.state_dict().items():
+            assert torch.equal(got.state_dict()[k], v), k
+    # A file Lightning wrote goes to Lightning's reader.
+    assert dict(load_from_checkpoint(WithHparams, theirs).hparams) == {"lr": 0.05, "width": 3, "tags": ("x", "y")}
+
+    # keep=2 left steps 8 and 12: a pointer to step 4 names what retention removed.
+    Path(tmp_path / "old.ckpt").write_text(ours.read_text().replace(f'"step": {read_pointer(ours).step}', '"step": 4'))  # type: ignore[union-attr]
+    with pytest.raises(NoCheckpoint, match=r"step 4 .*storage.keep"):
+        load_from_checkpoint(WithHparams, tmp_path / "old.ckpt")
