@@ -273,6 +273,10 @@ def encode_state(
         if t.is_nested:
             raise UnsupportedValue(f"{path or '/'}: a nested tensor cannot be stored; "
                                    "store its components (list(t.unbind()))")  # fmt: skip
+        if stored and t.__dict__ and id(t) not in memo:
+            # torch.save pickles them; a tag has no room for values that may need a pickle.
+            names = ", ".join(sorted(map(str, t.__dict__)))
+            plain.append(f"{path or '/'}: a {type(t).__name__} without its Python attributes ({names})")
         if refer is not None:
             return {"$t": refer(t, path)}
         if type(t) is not tensor_type and is_dtensor(t):

@@ -248,6 +248,24 @@ def test_counters_and_defaultdicts_keep_their_type_other_subclasses_warn() -> No
     assert out == {"cfg": {"lr": 0.1}, "counts": {"a": 1}, "rows": [1], "out": {"x": 1}}
     assert type(out["cfg"]) is dict and type(out["out"]) is OrderedDict
 
+def test_a_tensor_s_python_attributes_are_named_in_the_warning_not_dropped_silently(tmp_path: Path) -> None:
+    # torch.save pickles a tensor's __dict__ (Megatron marks parameters this way).
+    p = torch.nn.Parameter(torch.ones(2))
+    p.tensor_model_parallel = True  # type: ignore[attr-defined]
+    t = torch.zeros(3)
+    t.note = {"a": 1}  # type: ignore[attr-defined]
+    with pytest.warns(UserWarning) as seen:
+        out = round_trip({"p": p, "tied": p, "t": t, "plain": torch.ones(1)})
+    (one,) = seen
+    assert str(one.message) == ("stored as plain ones, these load as such: /p: a Parameter without its Python "
+                                "attributes (tensor_model_parallel); /t: a Tensor without its Python attributes (note)")
+    assert out["p"] is out["tied"] and type(out["p"]) is torch.nn.Parameter and torch.equal(out["t"], t)
+    with Checkpointer(tmp_path) as ck, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ck.save({"t": torch.zeros(3)}, step=1)
+        ck.load_latest(into={"t": t})  # a target's attributes are its own: nothing to say
+
+
 def test_an_argparse_namespace_and_paths_keep_their_types() -> None:
     # As the timm, DeiT, MAE and torchvision reference scripts save it: checkpoint["args"] = args.
     args = argparse.Namespace(model="vit_small", lr=5e-4, epochs=300, betas=(0.9, 0.999), resume="", clip=None,
