@@ -87,6 +87,7 @@ __all__ = [
     "st_dtype",
     "tensor_refs",
     "torch_dtype",
+    "torch_dtype_name",
 ]
 
 # safetensors' dtype names; F8 types exist in torch >= 2.1.
@@ -107,6 +108,11 @@ def torch_dtype(name: str) -> Any:
     import torch
 
     return getattr(torch, _DTYPES[name])
+
+
+def torch_dtype_name(name: Any) -> str:
+    """``torch.float32`` for ``F32``, for messages; an unknown name as it is."""
+    return f"torch.{_DTYPES[name]}" if name in _DTYPES else str(name)
 
 
 @functools.cache

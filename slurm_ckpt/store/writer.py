@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorrupt, ConfigError, UnsafeLoad, storage_error
-from .codec import EncodedState, decode_state, encode_state, st_dtype, tensor_refs
+from .codec import EncodedState, decode_state, encode_state, st_dtype, tensor_refs, torch_dtype_name
 from .fsutil import write_file_durably
 from .manifest import Manifest
 from .tensorfile import FileRecord, read_tensors, write_tensor_file
@@ -174,7 +174,7 @@ def refuse_meta(ckpt: Path, key: str, t: Any) -> None:
 
 def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict[str, Any], set[str]]:
     """The tensors of ``into`` by key, each checked against the saved tensor at its place,
-    and the keys of those stored whole (which a reader may fill in place)."""
+    and the keys of those stored whole and of the saved dtype (which a reader may fill in place)."""
     if into is None:
         return {}, set()
     # A tensor that matches nothing would silently keep its old values, and a
@@ -188,15 +188,20 @@ def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict
             "pass a state shaped like the saved one (saved as {'model': model.state_dict(), ...}, "
             "load with into={'model': model.state_dict()})"
         )
+    whole = set()
     for key, t in targets.items():
         refuse_meta(ckpt, key, t)
         view = saved[key]
         info = view if view is not None else man.tensors.get(key, {})
-        want = (info.get("dtype"), list(info.get("shape", [])))
-        if (st_dtype(t.dtype), list(t.shape)) != want:
+        shape = list(info.get("shape", []))
+        if list(t.shape) != shape:
             raise ValueError(
                 f"cannot load {key!r} of {ckpt} into the tensor given for it: the checkpoint holds "
-                f"{want[0]} {want[1]}, the tensor is {t.dtype} {list(t.shape)}; pass a matching state "
-                "or load without into="
+                f"{torch_dtype_name(info.get('dtype'))} {shape}, the tensor is {t.dtype} {list(t.shape)}; "
+                "pass a state shaped like the saved one, or load without into="
             )
-    return targets, {key for key in targets if saved[key] is None}
+        # Of another dtype (a model cast since the save), it is copied into, and so
+        # cast, once read, as load_state_dict and DCP cast.
+        if view is None and st_dtype(t.dtype) == info.get("dtype"):
+            whole.add(key)
+    return targets, whole

@@ -189,9 +189,28 @@ def test_into_refuses_a_view_of_another_shape_before_reading(tmp_path: Path) -> 
     saved({"buf": buf, "view": buf[:10]}, tmp_path)
     mine = torch.zeros(40)
     with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck, \
-            pytest.raises(ValueError, match=r"'view'.*F32 \[10\].*pass a matching state"):  # fmt: skip
+            pytest.raises(ValueError, match=r"'view'.*holds torch.float32 \[10\].*pass a state shaped like"):  # fmt: skip
         ck.load_latest(into={"buf": mine, "view": mine[:12]})
     assert not mine.any()
+
+
+def test_into_tensors_of_another_dtype_are_cast_as_load_state_dict_casts(tmp_path: Path) -> None:
+    # A model cast since the save (bf16 inference, a float64 check): load_state_dict,
+    # DCP and slurm_ckpt.sharded cast into it. Large ones too, which are otherwise
+    # read in place, tied weights and views among them.
+    buf = torch.randn(300_000)
+    state = {"model": {"w": buf, "tied": buf, "head": buf[:10], "b": torch.randn(5)}, "step": torch.tensor(7)}
+    saved(state, tmp_path)
+    big = torch.zeros(300_000, dtype=torch.bfloat16)
+    into = {"model": {"w": big, "tied": big, "head": torch.zeros(10, dtype=torch.float64),
+                      "b": torch.zeros(5, dtype=torch.float16)}, "step": torch.zeros((), dtype=torch.float32)}
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        got = ck.load_latest(into=into)
+    for key in ("w", "tied", "head", "b"):
+        target = into["model"][key]
+        assert got["model"][key] is target
+        assert torch.equal(target, state["model"][key].to(target.dtype)), key
+    assert got["step"] is into["step"] and into["step"].item() == 7.0
 
 
 def test_into_a_model_on_the_meta_device_is_refused_with_the_way_to_load_it(tmp_path: Path) -> None:
