@@ -33,7 +33,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
 
 from slurm_ckpt import Checkpointer
-from slurm_ckpt.integrations.accelerate import load_state, save_state
+from slurm_ckpt.integrations.accelerate import load_state, preempted, save_state
 
 
 def say(msg: str) -> None:
@@ -72,10 +72,12 @@ def main() -> int:
     sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=10, num_training_steps=args.steps)
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
 
-    ckpt = None if args.no_ckpt else Checkpointer()
+    # The main process commits what every process wrote: a Checkpointer of its own.
+    ckpt = None if args.no_ckpt else Checkpointer(distributed=False)
     step = (load_state(accelerator, ckpt) or 0) if ckpt is not None else 0
     say(f"start from={step} restart={os.environ.get('SLURM_RESTART_COUNT', '0')}")
-    metrics = open(args.out / "metrics.jsonl", "a")  # noqa: SIM115
+    main_process = accelerator.is_main_process
+    metrics = open(args.out / "metrics.jsonl" if main_process else os.devnull, "a")  # noqa: SIM115
     model.train()
     # Where the data stream stands: the epoch, and the batches of it already used.
     epoch, skip = divmod(step, len(loader))
@@ -96,7 +98,7 @@ def main() -> int:
                 say(f"step {step}")
             if args.step_time:
                 time.sleep(args.step_time)
-            if ckpt is not None and ckpt.preempted:
+            if ckpt is not None and preempted(accelerator, ckpt):  # agreed: all stop at this step
                 save_state(accelerator, ckpt, step)
                 ckpt.close()
                 say(f"stopping at step={step} for requeue")
@@ -109,7 +111,8 @@ def main() -> int:
     if ckpt is not None:
         ckpt.close()
     weights = digest(accelerator.unwrap_model(model))
-    (args.out / "done.txt").write_text(weights + "\n")
+    if main_process:
+        (args.out / "done.txt").write_text(weights + "\n")
     say(f"done steps={step} digest={weights}")
     return 0
 

@@ -12,14 +12,20 @@ so no pickle is loaded by slurm-ckpt.
 
 from __future__ import annotations
 
+import shutil
+import socket
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 
-from ..errors import CheckpointCorrupt, UnsupportedValue
+from ..checkpointer import Checkpointer
+from ..errors import CheckpointCorrupt, ConfigError, ShardError, UnsupportedValue
+from ..placement import Local
+from ..ranks import open_group
+from ._steps import load_step
 
-__all__ = ["folder_state", "write_folder"]
+__all__ = ["folder_state", "one_writer", "resume_folder", "write_folder"]
 
 _FORMAT = "slurm-ckpt-folder"
 
@@ -61,3 +67,70 @@ def write_folder(state: Any, path: Path) -> None:
             # No fsync: this copy is read back at once and thrown away; the
             # checkpoint it came from is the durable one.
             f.write(memoryview(data.contiguous().numpy()))
+
+
+def one_writer(ckpt: Checkpointer, what: str) -> None:
+    """Refuse a Checkpointer whose saves are collective: the integrations commit the
+    folder every process wrote from the main process alone, and a collective save
+    there would wait for the other processes forever. Every process makes the same
+    Checkpointer, so every process raises."""
+    if not isinstance(ckpt.placement, Local):
+        raise ConfigError(
+            f"{what} commits the checkpoint from the main process alone, and this Checkpointer saves "
+            "collectively (torch.distributed is initialised): make it with Checkpointer(distributed=False)"
+        )
+
+
+def resume_folder(ckpt: Checkpointer, root: Path) -> tuple[int, Path] | None:
+    """The newest valid checkpoint of ``ckpt`` written out as ``root/<node>/checkpoint-N``:
+    its step and that path, or None when there is none. Call on every process.
+
+    Under ``torch.distributed`` it is collective: rank 0 picks the checkpoint,
+    so every process resumes from the same step, and one process a node (the
+    lowest rank on it) reads and writes it, so a node of eight processes holds
+    one copy in memory and on disk, not eight. An error on any process is
+    raised on all of them. Without a process group each process writes its own
+    copy, under ``root/rank-R``.
+    """
+    group = open_group()
+    if group is None:
+        whole = ckpt.load_latest()
+        if whole is None or ckpt.loaded_step is None:
+            return None
+        return ckpt.loaded_step, _rewrite(whole, root / f"rank-{ckpt.rank}", ckpt.loaded_step)
+    try:
+        host = socket.gethostname()
+        hosts = group.all_gather(host)
+        writes = hosts.index(host) == group.rank
+        state: Any = None
+        picked: tuple[int | None, str] = (None, "")
+        if group.rank == 0:
+            try:
+                state = ckpt.load_latest()
+                picked = (ckpt.loaded_step if state is not None else None, "")
+            except Exception as e:  # raised below on every process, not only here
+                picked = (None, f"rank 0: {type(e).__name__}: {e}")
+        step, error = group.broadcast(picked)
+        dest = root / f"node-{host}" / f"checkpoint-{step}"
+        if writes and step is not None and not error:
+            try:
+                if state is None:
+                    state = load_step(ckpt.search_dirs, ckpt.engine, step)
+                _rewrite(state, dest.parent, step)
+            except Exception as e:
+                error = f"rank {group.rank} on {host}: {type(e).__name__}: {e}"
+        del state
+        errors = [e for e in group.all_gather(error) if e]
+    finally:
+        group.release()
+    if errors:
+        raise ShardError(f"resume from checkpoint {step} failed: {'; '.join(dict.fromkeys(errors))}")
+    return None if step is None else (step, dest)
+
+
+def _rewrite(state: Any, parent: Path, step: int) -> Path:
+    """``state``'s folder as ``parent/checkpoint-<step>``, replacing whatever ``parent`` held."""
+    shutil.rmtree(parent, ignore_errors=True)
+    dest = parent / f"checkpoint-{step}"
+    write_folder(state, dest)
+    return dest

@@ -3,16 +3,17 @@
 ::
 
     from slurm_ckpt import Checkpointer
-    from slurm_ckpt.integrations.accelerate import load_state, save_state
+    from slurm_ckpt.integrations.accelerate import load_state, preempted, save_state
 
-    ckpt = Checkpointer()
+    ckpt = Checkpointer(distributed=False)           # the main process commits
     step = load_state(accelerator, ckpt) or 0        # None on the first run
     for batch in loader:                             # (skip_first_batches or a stateful loader)
         ...
         step += 1
-        if ckpt.preempted or step % 500 == 0:
+        stop = preempted(accelerator, ckpt)          # agreed by every process
+        if stop or step % 500 == 0:
             save_state(accelerator, ckpt, step)
-            if ckpt.preempted:
+            if stop:
                 break                                # exit 0: slurm-ckpt run requeues
 
 The pair replaces ``accelerator.save_state(dir)`` / ``accelerator.load_state(dir)``.
@@ -22,7 +23,8 @@ DataLoaders and ``register_for_checkpointing`` objects) into a staging dir;
 its files are committed, byte for byte, as one checkpoint of the
 Checkpointer (commit protocol, checksums, tiers), and the staging dir is
 removed. ``load_state`` writes the newest checkpoint that verifies back out and
-hands it to ``accelerator.load_state``.
+hands it to ``accelerator.load_state``: the main process picks it, and one
+process a node writes it out for the node's processes.
 
 Staging: ``staging=`` if given, else ``$SLURM_CKPT_SCRATCH`` (the job's
 node-local scratch), else the system temp dir. With processes on several
@@ -41,9 +43,9 @@ from accelerate import Accelerator
 from .._env import job_id, scratch_dir
 from ..checkpointer import Checkpointer
 from ..errors import ConfigError
-from ._folder import folder_state, write_folder
+from ._folder import folder_state, one_writer, resume_folder
 
-__all__ = ["load_state", "save_state"]
+__all__ = ["load_state", "preempted", "save_state"]
 
 
 def _staging(staging: str | Path | None, what: str) -> Path:
@@ -59,6 +61,7 @@ def save_state(accelerator: Accelerator, ckpt: Checkpointer, step: int, *,
     Returns the committed checkpoint's path on the main process (None on the
     others). ``save_kwargs`` go to ``accelerator.save_state``.
     """
+    one_writer(ckpt, "save_state")
     if accelerator.project_configuration.automatic_checkpoint_naming:
         raise ConfigError(
             "save_state with ProjectConfiguration(automatic_checkpoint_naming=True): Accelerate would "
@@ -87,17 +90,30 @@ def load_state(accelerator: Accelerator, ckpt: Checkpointer, *,
     """``accelerator.load_state`` from the newest valid checkpoint of ``ckpt``; its step, or None.
 
     None (nothing restored) when there is no checkpoint yet. Call on every
-    process; each reads the checkpoint itself. ``load_kwargs`` go to
-    ``accelerator.load_state``.
+    process: the main process picks the checkpoint, so all resume from the
+    same step, and one process a node writes it out into the staging dir for
+    the node's processes to load. ``load_kwargs`` go to ``accelerator.load_state``.
     """
-    state = ckpt.load_latest()
-    if state is None:
+    one_writer(ckpt, "load_state")
+    root = _staging(staging, "load")
+    found = resume_folder(ckpt, root)
+    if found is None:
         return None
-    tmp = _staging(staging, f"load-rank{accelerator.process_index}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        write_folder(state, tmp)
-        accelerator.load_state(str(tmp), **load_kwargs)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return ckpt.loaded_step
+    step, folder = found
+    accelerator.load_state(str(folder), **load_kwargs)
+    accelerator.wait_for_everyone()  # every process has read the node's copy
+    shutil.rmtree(folder.parent, ignore_errors=True)
+    return step
+
+
+def preempted(accelerator: Accelerator, ckpt: Checkpointer) -> bool:
+    """``ckpt.preempted``, agreed: True on every process once any got the wrapper's signal.
+
+    Slurm signals each process at a slightly different moment, and a process
+    that went into ``save_state`` while another ran one more step would wait
+    for it forever. Call on every process at every step (one small reduce).
+    """
+    import torch
+
+    flag = torch.tensor([int(ckpt.preempted)], device=accelerator.device)
+    return bool(accelerator.reduce(flag, reduction="sum").item())

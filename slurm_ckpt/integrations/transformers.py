@@ -32,14 +32,13 @@ sit on node-local disk.
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..checkpointer import Checkpointer
-from ._folder import folder_state, write_folder
+from ._folder import folder_state, one_writer, resume_folder
 
 __all__ = ["SlurmCkptCallback"]
 
@@ -48,14 +47,17 @@ log = logging.getLogger("slurm_ckpt")
 RESUME_DIR = ".slurm-ckpt-resume"
 
 
-def _agree(flag: bool) -> bool:
-    """True on every rank when it is on any: ranks must stop at the same step."""
+def _agree(flag: bool, device: Any) -> bool:
+    """True on every rank when it is on any: ranks must stop at the same step.
+
+    On the training ``device``: an NCCL group reduces CUDA tensors only.
+    """
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
-    t = torch.tensor([int(flag)])
+    t = torch.tensor([int(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
@@ -92,19 +94,19 @@ class SlurmCkptCallback(TrainerCallback):
     def resume_path(self, output_dir: str | Path) -> str | None:
         """What to pass as ``Trainer.train(resume_from_checkpoint=...)``: the newest valid checkpoint.
 
-        Its files are written to ``<output_dir>/.slurm-ckpt-resume/rank-R/checkpoint-N``
-        (what was there is removed) and that path is returned; None when there
-        is nothing to resume from, which makes ``train`` start fresh. Call it
-        on every process.
+        Its files are written to ``<output_dir>/.slurm-ckpt-resume/`` (what was
+        there is removed) and that path is returned; None when there is nothing
+        to resume from, which makes ``train`` start fresh. Call it on every
+        process, after the ``Trainer`` is made (which starts
+        ``torch.distributed``): rank 0 picks the checkpoint, and one process a
+        node writes it out, for all the node's processes to read.
         """
-        state = self.ckpt.load_latest()
-        if state is None:
+        one_writer(self.ckpt, "SlurmCkptCallback")
+        found = resume_folder(self.ckpt, Path(output_dir) / RESUME_DIR)
+        if found is None:
             return None
-        root = Path(output_dir) / RESUME_DIR / f"rank-{self.ckpt.rank}"
-        shutil.rmtree(root, ignore_errors=True)
-        dest = root / f"checkpoint-{self.ckpt.loaded_step}"
-        write_folder(state, dest)
-        log.info("resuming the Trainer from step %s (%s)", self.ckpt.loaded_step, self.ckpt.loaded_path)
+        step, dest = found
+        log.info("resuming the Trainer from step %s (%s)", step, dest)
         return str(dest)
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -113,13 +115,14 @@ class SlurmCkptCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:  # fmt: skip
-        if not self._stopping and _agree(self.ckpt.preempted):
+        if not self._stopping and _agree(self.ckpt.preempted, args.device):
             self._stopping = True
             control.should_save = True
             control.should_training_stop = True
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:  # fmt: skip
+        one_writer(self.ckpt, "SlurmCkptCallback")
         folder = Path(args.output_dir or "trainer_output") / f"checkpoint-{state.global_step}"
         _barrier()  # every process has written its part (its RNG file)
         if state.is_world_process_zero:

@@ -100,3 +100,65 @@ def test_signalled_and_resumed_ends_bit_identical(tmp_path: Path, framework: str
     assert _steps(res) == list(range(1, STEPS + 1))
     assert (res / "metrics.jsonl").read_text() == (ref / "metrics.jsonl").read_text()
     assert (res / "done.txt").read_text() == (ref / "done.txt").read_text()
+
+
+def _ranks(argv: list[str], env: dict[str, str], cwd: Path, world: int, tag: str) -> list[subprocess.Popen[str]]:
+    """``world`` processes of one Accelerate job, started as srun starts tasks: each with its
+    rank in the environment, each signalled on its own."""
+    from tests.integration.dist_ranks import free_port
+
+    port = str(free_port())
+    procs = []
+    for r in range(world):
+        rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
+                    "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                    "OMP_NUM_THREADS": "1"}  # fmt: skip
+        with open(cwd / f"{tag}-rank{r}.log", "w") as f:
+            procs.append(subprocess.Popen(argv, env=rank_env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen[str]], cwd: Path, tag: str) -> list[str]:
+    try:
+        for p in procs:
+            p.wait(timeout=120)  # a run takes seconds; ranks that disagree wait forever
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = [(cwd / f"{tag}-rank{r}.log").read_text() for r in range(len(procs))]
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} exit {p.returncode}\n{logs[r][-5000:]}"
+    return logs
+
+
+@pytest.mark.slow
+def test_accelerate_ranks_signalled_one_at_a_time_stop_together_and_resume_bit_identical(tmp_path: Path) -> None:
+    """Two processes, as two srun tasks; the signal reaches rank 1 only (Slurm signals each
+    task at its own moment). Both must stop at the same step (a rank saving while the other
+    trains on waits for it forever), and the pair started again resumes to the same bits."""
+    pytest.importorskip("accelerate")
+    script = [sys.executable, str(EXAMPLES / "accelerate_train.py"), "--steps", "24", "--every", "10"]
+    env = {**_env(tmp_path / "run"), "TMPDIR": str(tmp_path / "tmp")}  # where load_state stages
+    (tmp_path / "tmp").mkdir()
+    ref, res = tmp_path / "ref", tmp_path / "res"
+    _finish(_ranks([*script, "--no-ckpt", "--out", str(ref)], env, tmp_path, 2, "ref"), tmp_path, "ref")
+
+    procs = _ranks([*script, "--out", str(res), "--step-time", "0.1"], env, tmp_path, 2, "stop")
+    poll("the trainer past step 12", lambda: True if (_steps(res) and _steps(res)[-1] >= 12) or
+         any(p.poll() is not None for p in procs) else None, 300, interval=0.05)  # fmt: skip
+    procs[1].send_signal(signal.SIGUSR1)
+    stops = [re.search(r"stopping at step=(\d+)", log) for log in _finish(procs, tmp_path, "stop")]
+    assert all(stops), stops
+    stopped = {int(m.group(1)) for m in stops if m}
+    assert len(stopped) == 1 and 12 <= min(stopped) < 24, stopped
+    step = stopped.pop()
+    assert (tmp_path / "run" / f"step-{step:09d}").is_dir()
+
+    logs = _finish(_ranks([*script, "--out", str(res)], env, tmp_path, 2, "resume"), tmp_path, "resume")
+    assert all(re.search(rf"start from={step}\b", log) for log in logs), logs[0][-2000:]
+    assert _steps(res) == list(range(1, 25))
+    assert (res / "metrics.jsonl").read_text() == (ref / "metrics.jsonl").read_text()
+    assert (res / "done.txt").read_text() == (ref / "done.txt").read_text()
+    assert not list((tmp_path / "tmp").rglob("checkpoint-*")), "the resume's copy is removed"

@@ -179,3 +179,44 @@ def test_accelerate_automatic_checkpoint_naming_is_refused(tmp_path: Path) -> No
                                                                     automatic_checkpoint_naming=True))  # fmt: skip
     with Checkpointer(tmp_path / "run", scratch=False) as ckpt, pytest.raises(ConfigError, match="automatic"):
         save_state(acc, ckpt, 1)
+
+
+def _resume_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """One rank of a job resuming: resume_path with a Checkpointer of its own, then one
+    made collective (the default under torch.distributed), which every rank must refuse."""
+    cb = SlurmCkptCallback(Checkpointer(args["run"], scratch=False, distributed=False))
+    path = cb.resume_path(args["out"])
+    files = {p.relative_to(path).as_posix(): p.read_bytes().hex() for p in Path(path).rglob("*") if p.is_file()}
+    refused = ""
+    try:
+        SlurmCkptCallback(Checkpointer(args["run"], scratch=False)).resume_path(args["out"])
+    except ConfigError as e:
+        refused = str(e)
+    return {"path": path, "loaded": cb.ckpt.loaded_step, "files": files, "refused": refused}
+
+
+def test_resume_path_of_several_processes_is_one_step_and_one_copy_a_node(tmp_path: Path) -> None:
+    """Eight processes a node each reading the whole checkpoint and writing a copy of it would
+    need eight times its size in memory and on disk; and each picking the newest valid one
+    on its own could resume them from different steps."""
+    from tests.integration.dist_ranks import launch
+
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    with Checkpointer(tmp_path / "run", scratch=False) as ck:
+        for step in (5, 10):
+            (folder / "model.safetensors").write_bytes(bytes([step]) * 3000)
+            (folder / "rng_state_1.pth").write_bytes(b"rank 1 at %d" % step)
+            ck.save(folder_state(folder), step)
+    out = tmp_path / "out"
+    got = launch(2, "tests.integration.test_huggingface:_resume_worker",
+                 {"run": str(tmp_path / "run"), "out": str(out)}, tmp_path / "ranks")  # fmt: skip
+
+    assert got[0]["path"] == got[1]["path"]
+    path = Path(got[0]["path"])
+    assert path.name == "checkpoint-10" and path.parent.parent == out / ".slurm-ckpt-resume"
+    assert [p for p in (out / ".slurm-ckpt-resume").rglob("checkpoint-*")] == [path]  # one copy
+    assert got[0]["loaded"] == 10 and got[1]["loaded"] is None  # rank 1 read nothing itself
+    assert got[0]["files"] == got[1]["files"] == {"model.safetensors": (bytes([10]) * 3000).hex(),
+                                                  "rng_state_1.pth": b"rank 1 at 10".hex()}  # fmt: skip
+    assert all("Checkpointer(distributed=False)" in g["refused"] for g in got)
