@@ -42,19 +42,13 @@ class Tiny(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-class WithHparams(LightningModule):
+class WithHparams(Tiny):
     """A module that saves its __init__ arguments, as most Lightning modules do."""
 
     def __init__(self, lr: float = 0.1, width: int = 3, tags: tuple[str, ...] = ("a",)) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x).squeeze(1), y)
-        self.log("train_loss", loss)
-        return loss
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
