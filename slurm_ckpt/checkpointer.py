@@ -323,8 +323,9 @@ class Checkpointer:
         ``into``: a state shaped like the saved one, e.g. ``{"model":
         model.state_dict(), ...}``; its tensors are loaded into in place, and the
         returned state holds them. Large CPU tensors are read straight into their
-        memory: no second copy of the state, no fresh memory. A tensor of ``into``
-        that the checkpoint lacks, whose dtype or shape differs, or on the meta
+        memory: no second copy of the state, no fresh memory. A tensor of another
+        dtype is cast, as ``load_state_dict`` casts. A tensor of ``into``
+        that the checkpoint lacks, whose shape differs, or on the meta
         device, raises ``ValueError`` before anything is read; a checkpoint tensor that ``into``
         lacks is loaded into fresh memory. If a checkpoint fails its checksum,
         tensors already read hold part of it until an older checkpoint is loaded

@@ -103,13 +103,14 @@ def resume_folder(ckpt: Checkpointer, root: Path) -> tuple[int, Path] | None:
         hosts = group.all_gather(host)
         writes = hosts.index(host) == group.rank
         state: Any = None
+        cause: Exception | None = None  # this process's own error, chained to the one raised
         picked: tuple[int | None, str] = (None, "")
         if group.rank == 0:
             try:
                 state = ckpt.load_latest()
                 picked = (ckpt.loaded_step if state is not None else None, "")
             except Exception as e:  # raised below on every process, not only here
-                picked = (None, f"rank 0: {type(e).__name__}: {e}")
+                cause, picked = e, (None, f"rank 0: {type(e).__name__}: {e}")
         step, error = group.broadcast(picked)
         dest = root / f"node-{host}" / f"checkpoint-{step}"
         if writes and step is not None and not error:
@@ -118,13 +119,14 @@ def resume_folder(ckpt: Checkpointer, root: Path) -> tuple[int, Path] | None:
                     state = load_step(ckpt.search_dirs, ckpt.engine, step)
                 _rewrite(state, dest.parent, step)
             except Exception as e:
-                error = f"rank {group.rank} on {host}: {type(e).__name__}: {e}"
+                cause, error = e, f"rank {group.rank} on {host}: {type(e).__name__}: {e}"
         del state
         errors = [e for e in group.all_gather(error) if e]
     finally:
         group.release()
     if errors:
-        raise ShardError(f"resume from checkpoint {step} failed: {'; '.join(dict.fromkeys(errors))}")
+        what = "finding the checkpoint to resume from" if step is None else f"resuming from checkpoint {step}"
+        raise ShardError(f"{what} failed: {'; '.join(dict.fromkeys(errors))}") from cause
     return None if step is None else (step, dest)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import Engine
-from ..errors import NoCheckpoint
+from ..errors import CheckpointCorrupt, NoCheckpoint
 from ..store import Skipped, iter_valid
 from ..store.fsutil import fsync_dir, write_file_durably
 
@@ -48,7 +48,8 @@ def load_step(dirs: list[Path], engine: Engine, step: int, *, trusted: bool = Fa
     raise NoCheckpoint(
         f"checkpoint step {step} is not in {', '.join(map(str, dirs))} or does not verify{why}. "
         "Retention keeps the newest storage.keep checkpoints (Checkpointer(keep=N)): raise it to "
-        "keep older ones, or resume from the newest valid checkpoint (load_latest)"
+        "keep older ones, or resume from the newest valid checkpoint (load_latest). A step not yet "
+        "copied to the run dir is read from this node's scratch only (SLURM_CKPT_SCRATCH)"
     )
 
 
@@ -80,4 +81,7 @@ def read_pointer(path: Path) -> Pointer | None:
         return None
     if not isinstance(body, dict) or body.get("format") != _FORMAT:
         return None
-    return Pointer(int(body["step"]), Path(body["run_dir"]))
+    step, run_dir = body.get("step"), body.get("run_dir")
+    if type(step) is not int or not isinstance(run_dir, str):
+        raise CheckpointCorrupt(f"{path}: a slurm-ckpt pointer without a step and a run dir: {body!r:.200}", path)
+    return Pointer(step, Path(run_dir))

@@ -33,6 +33,7 @@ nodes, pass a ``staging`` dir that all of them see.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -100,9 +101,15 @@ def load_state(accelerator: Accelerator, ckpt: Checkpointer, *,
     if found is None:
         return None
     step, folder = found
-    accelerator.load_state(str(folder), **load_kwargs)
-    accelerator.wait_for_everyone()  # every process has read the node's copy
-    shutil.rmtree(folder.parent, ignore_errors=True)
+    try:
+        accelerator.load_state(str(folder), **load_kwargs)
+        accelerator.wait_for_everyone()  # every process has read the node's copy
+    finally:
+        # After an error too: a copy of the whole checkpoint must not stay on the
+        # node's scratch (a process of the node still reading it fails as well).
+        shutil.rmtree(folder.parent, ignore_errors=True)
+        with contextlib.suppress(OSError):  # another process's copy, or its removal, may be there
+            root.rmdir()
     return step
 
 
@@ -111,7 +118,8 @@ def preempted(accelerator: Accelerator, ckpt: Checkpointer) -> bool:
 
     Slurm signals each process at a slightly different moment, and a process
     that went into ``save_state`` while another ran one more step would wait
-    for it forever. Call on every process at every step (one small reduce).
+    for it forever. Call on every process at every step: one small reduce on
+    the training device, which waits for the device as ``loss.item()`` does.
     """
     import torch
 

@@ -36,6 +36,7 @@ signal handler and calls ``scontrol requeue`` itself.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 from typing import Any
@@ -46,12 +47,14 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
+from .._env import scratch_dir
 from ..checkpointer import Checkpointer, SaveHandle
 from ..config import load_config
 from ..engine import Engine
 from ..errors import ConfigError
 from ..loopstate import rng_state, set_rng_state
 from ..store.manifest import MANIFEST
+from ..store.tiers import read_dirs
 from ._steps import load_step, read_pointer, write_pointer
 
 __all__ = ["PreemptionCallback", "SlurmCkptIO", "load_from_checkpoint", "plugins"]
@@ -138,8 +141,10 @@ class SlurmCkptIO(CheckpointIO):
             step = pointer.step if pointer is not None else None
         if step is None:  # a file Lightning wrote itself: read it as Lightning would
             return self._torch.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        # A function (TorchCheckpointIO's default) has no counterpart here: tensors stay as saved.
+        where = None if callable(map_location) else map_location
         loaded: dict[str, Any] = load_step(self.ckpt.search_dirs, self.ckpt.engine, step, trusted=self.trusted,
-                                           map_location=map_location)  # fmt: skip
+                                           map_location=where)  # fmt: skip
         return loaded
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -202,15 +207,19 @@ def load_from_checkpoint(cls: type[Any], checkpoint_path: str | Path, *, map_loc
     where = map_location
     if where is None or callable(where):
         where = None if torch.cuda.is_available() else "cpu"
-    state = load_step([pointer.run_dir], Engine(load_config().engine), pointer.step, trusted=trusted,
-                      map_location=where)  # fmt: skip
+    # A save lands on node-local scratch first: the run dir may not have this step yet.
+    dirs = read_dirs(pointer.run_dir, scratch_dir())
+    state = load_step(dirs, Engine(load_config().engine), pointer.step, trusted=trusted, map_location=where)
     buf = io.BytesIO()
     torch.save(state, buf)
     del state
     buf.seek(0)
     # What was pickled here is what this process has just decoded: weights_only
-    # would refuse the NumPy RNG states in it, and guards nothing.
-    return cls.load_from_checkpoint(buf, map_location=map_location, weights_only=False, **kwargs)
+    # would refuse the NumPy RNG states in it, and guards nothing. (Lightning
+    # before 2.6 takes no weights_only: it would become a hyperparameter.)
+    if "weights_only" in inspect.signature(cls.load_from_checkpoint).parameters:
+        kwargs.setdefault("weights_only", False)
+    return cls.load_from_checkpoint(buf, map_location=map_location, **kwargs)
 
 
 def plugins(io: SlurmCkptIO | None = None) -> list[Any]:

@@ -26,7 +26,7 @@ data and its log history from it as from its own.
 On the wrapper's signal the callback asks the Trainer to save at the end of
 the current step and to stop; the save is committed before ``train`` returns.
 Because the Trainer's own folders are only a staging copy, ``output_dir`` may
-sit on node-local disk.
+sit on node-local disk when the job has one node.
 """
 
 from __future__ import annotations
@@ -94,8 +94,9 @@ class SlurmCkptCallback(TrainerCallback):
     def resume_path(self, output_dir: str | Path) -> str | None:
         """What to pass as ``Trainer.train(resume_from_checkpoint=...)``: the newest valid checkpoint.
 
-        Its files are written to ``<output_dir>/.slurm-ckpt-resume/`` (what was
-        there is removed) and that path is returned; None when there is nothing
+        Its files are written to ``<output_dir>/.slurm-ckpt-resume/node-<host>/checkpoint-N``
+        (``rank-R`` without ``torch.distributed``; an earlier copy there is removed) and
+        that path is returned; None when there is nothing
         to resume from, which makes ``train`` start fresh. Call it on every
         process, after the ``Trainer`` is made (which starts
         ``torch.distributed``): rank 0 picks the checkpoint, and one process a

@@ -251,6 +251,7 @@ def encode_state(
     tensor_type, strided = getattr(torch_mod, "Tensor", None), getattr(torch_mod, "strided", None)
     memo: dict[int, dict[str, Any]] = {}  # id(tensor or array) -> its tag object
     refs = [0]  # tensor, array and pickle references made so far (a set may hold none)
+    attributed: set[int] = set()  # id(tensor) of those with Python attributes, said once
     storages: dict[int, list[_Leaf]] = {}  # storage -> the tensors on it, in order
     # safetensors reserves "__metadata__" for its own header entry.
     keys: set[str] = {"__metadata__"}
@@ -279,10 +280,13 @@ def encode_state(
         if t.is_nested:
             raise UnsupportedValue(f"{path or '/'}: a nested tensor cannot be stored; "
                                    "store its components (list(t.unbind()))")  # fmt: skip
-        if stored and t.__dict__ and id(t) not in memo:
+        if stored and t.__dict__ and id(t) not in attributed:
             # torch.save pickles them; a tag has no room for values that may need a pickle.
-            names = ", ".join(sorted(map(str, t.__dict__)))
-            plain.append(f"{path or '/'}: a {type(t).__name__} without its Python attributes ({names})")
+            # Private ones are frameworks' marks (torch.compile marks optimizer states).
+            attributed.add(id(t))
+            names = ", ".join(sorted(n for n in map(str, t.__dict__) if not n.startswith("_")))
+            if names:
+                plain.append(f"{path or '/'}: a {type(t).__name__} without its Python attributes ({names})")
         if refer is not None:
             return {"$t": refer(t, path)}
         if type(t) is not tensor_type and is_dtensor(t):

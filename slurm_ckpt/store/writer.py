@@ -98,9 +98,9 @@ def load_state(
     Without ``map_location`` a tensor saved on a device goes back to it, as with
     ``torch.load``; a device puts every tensor there, a dict ``{saved: device}``
     moves those saved on the devices it names. ``into``: a state shaped like the saved one; its tensors get
-    the saved values and the returned state holds them. A tensor of ``into`` that
-    the checkpoint lacks, whose dtype or shape differs, or on the meta device, is a
-    ``ValueError`` before anything is read.
+    the saved values (cast to its dtype) and the returned state holds them. A tensor
+    of ``into`` that the checkpoint lacks, whose shape differs, or on the meta device,
+    is a ``ValueError`` before anything is read.
     """
     if man.extra.get("layout") == "dcp":
         # Its tensor index holds global shapes and chunks, not whole tensors by file.

@@ -21,6 +21,7 @@ from accelerate.utils import ProjectConfiguration
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from slurm_ckpt import CheckpointCorrupt, Checkpointer, ConfigError, UnsupportedValue
+from slurm_ckpt.errors import ShardError
 from slurm_ckpt.integrations._folder import folder_state, write_folder
 from slurm_ckpt.integrations.accelerate import load_state, save_state
 from slurm_ckpt.integrations.transformers import SlurmCkptCallback
@@ -182,17 +183,33 @@ def test_accelerate_automatic_checkpoint_naming_is_refused(tmp_path: Path) -> No
 
 
 def _resume_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
-    """One rank of a job resuming: resume_path with a Checkpointer of its own, then one
-    made collective (the default under torch.distributed), which every rank must refuse."""
+    """One rank of a job resuming, on the host ``args["hosts"][rank]`` names (ranks of one
+    machine stand for several nodes): resume_path with a Checkpointer of its own; then
+    from a run dir whose checkpoint rank 0 may not load; then with a collective
+    Checkpointer (the default under torch.distributed), which every rank must refuse."""
+    import socket
+
+    from slurm_ckpt.integrations import _folder
+
+    socket.gethostname = lambda: args["hosts"][rank]  # type: ignore[assignment]
+    writes = []
+    real = _folder.write_folder
+    _folder.write_folder = lambda state, path: (writes.append(str(path)), real(state, path))[1]  # type: ignore[assignment]
     cb = SlurmCkptCallback(Checkpointer(args["run"], scratch=False, distributed=False))
     path = cb.resume_path(args["out"])
     files = {p.relative_to(path).as_posix(): p.read_bytes().hex() for p in Path(path).rglob("*") if p.is_file()}
+    failed = ""
+    try:
+        SlurmCkptCallback(Checkpointer(args["unsafe"], scratch=False, distributed=False)).resume_path(args["out"])
+    except ShardError as e:
+        failed = f"{e} | {type(e.__cause__).__name__}"
     refused = ""
     try:
         SlurmCkptCallback(Checkpointer(args["run"], scratch=False)).resume_path(args["out"])
     except ConfigError as e:
         refused = str(e)
-    return {"path": path, "loaded": cb.ckpt.loaded_step, "files": files, "refused": refused}
+    return {"path": path, "loaded": cb.ckpt.loaded_step, "files": files, "writes": writes, "failed": failed,
+            "refused": refused}
 
 
 def test_resume_path_of_several_processes_is_one_step_and_one_copy_a_node(tmp_path: Path) -> None:
@@ -208,15 +225,25 @@ def test_resume_path_of_several_processes_is_one_step_and_one_copy_a_node(tmp_pa
             (folder / "model.safetensors").write_bytes(bytes([step]) * 3000)
             (folder / "rng_state_1.pth").write_bytes(b"rank 1 at %d" % step)
             ck.save(folder_state(folder), step)
+    with Checkpointer(tmp_path / "unsafe", scratch=False, allow_pickle=True) as ck:
+        ck.save({"format": "slurm-ckpt-folder", "files": {}, "odd": object()}, 3)
     out = tmp_path / "out"
-    got = launch(2, "tests.integration.test_huggingface:_resume_worker",
-                 {"run": str(tmp_path / "run"), "out": str(out)}, tmp_path / "ranks")  # fmt: skip
+    hosts = ["a", "a", "b"]
+    got = launch(3, "tests.integration.test_huggingface:_resume_worker",
+                 {"run": str(tmp_path / "run"), "unsafe": str(tmp_path / "unsafe"), "out": str(out),
+                  "hosts": hosts}, tmp_path / "ranks")  # fmt: skip
 
-    assert got[0]["path"] == got[1]["path"]
-    path = Path(got[0]["path"])
-    assert path.name == "checkpoint-10" and path.parent.parent == out / ".slurm-ckpt-resume"
-    assert [p for p in (out / ".slurm-ckpt-resume").rglob("checkpoint-*")] == [path]  # one copy
-    assert got[0]["loaded"] == 10 and got[1]["loaded"] is None  # rank 1 read nothing itself
-    assert got[0]["files"] == got[1]["files"] == {"model.safetensors": (bytes([10]) * 3000).hex(),
-                                                  "rng_state_1.pth": b"rank 1 at 10".hex()}  # fmt: skip
+    resume = out / ".slurm-ckpt-resume"
+    assert [Path(g["path"]) for g in got] == [resume / f"node-{h}" / "checkpoint-10" for h in hosts]
+    # The lowest rank of each host writes; rank 0 alone picks the step, by reading it.
+    assert [len(g["writes"]) for g in got] == [1, 0, 1]
+    assert [g["loaded"] for g in got] == [10, None, None]
+    assert sorted(p.relative_to(resume).as_posix() for p in resume.glob("*/checkpoint-*")) == [
+        "node-a/checkpoint-10", "node-b/checkpoint-10"]  # fmt: skip
+    assert all(g["files"] == {"model.safetensors": (bytes([10]) * 3000).hex(),
+                              "rng_state_1.pth": b"rank 1 at 10".hex()} for g in got)  # fmt: skip
+    # An error on rank 0 is raised on every rank, and chained to the error itself where it happened.
+    assert all(g["failed"].startswith("finding the checkpoint to resume from failed: rank 0: UnsafeLoad")
+               for g in got), [g["failed"] for g in got]  # fmt: skip
+    assert [g["failed"].rsplit(" | ", 1)[1] for g in got] == ["UnsafeLoad", "NoneType", "NoneType"]
     assert all("Checkpointer(distributed=False)" in g["refused"] for g in got)

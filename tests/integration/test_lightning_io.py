@@ -8,6 +8,7 @@ plugin's saving, pointers, loading by path, and the preemption stop.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from slurm_ckpt import Checkpointer, ConfigError, NoCheckpoint
+from slurm_ckpt import CheckpointCorrupt, Checkpointer, ConfigError, NoCheckpoint
 from slurm_ckpt.integrations._steps import Pointer, read_pointer
 from slurm_ckpt.integrations.lightning import PreemptionCallback, SlurmCkptIO, load_from_checkpoint
 
@@ -211,3 +212,27 @@ def test_load_from_checkpoint_reads_a_pointer_as_lightning_reads_its_own_file(
     Path(tmp_path / "old.ckpt").write_text(ours.read_text().replace(f'"step": {read_pointer(ours).step}', '"step": 4'))  # type: ignore[union-attr]
     with pytest.raises(NoCheckpoint, match=r"step 4 .*storage.keep"):
         load_from_checkpoint(WithHparams, tmp_path / "old.ckpt")
+    (tmp_path / "bad.ckpt").write_text('{"format": "slurm-ckpt-pointer", "step": "12"}')
+    with pytest.raises(CheckpointCorrupt, match="pointer without a step and a run dir"):
+        load_from_checkpoint(WithHparams, tmp_path / "bad.ckpt")
+
+
+def test_load_from_checkpoint_finds_a_step_still_on_node_local_scratch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Right after fit, the best step may be on scratch only: the run dir gets it later."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv("SLURM_CKPT_SCRATCH", str(scratch))
+    io = SlurmCkptIO(Checkpointer(tmp_path / "run", keep=5))
+    mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    model = WithHparams(lr=0.05)
+    _trainer(tmp_path, io, [mc], steps=4).fit(model, _loader())
+    io.ckpt.wait()  # copied to the run dir: now take it away from there
+    shutil.rmtree(tmp_path / "run" / "step-000000004")
+    got = load_from_checkpoint(WithHparams, mc.best_model_path)
+    assert torch.equal(got.net[0].weight, model.net[0].weight) and got.hparams["lr"] == 0.05
+    monkeypatch.delenv("SLURM_CKPT_SCRATCH")  # an evaluation script after the job: scratch is gone
+    with pytest.raises(NoCheckpoint, match="scratch"):
+        load_from_checkpoint(WithHparams, mc.best_model_path)
+    io.ckpt.close()

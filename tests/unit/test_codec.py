@@ -248,14 +248,18 @@ def test_counters_and_defaultdicts_keep_their_type_other_subclasses_warn() -> No
     assert out == {"cfg": {"lr": 0.1}, "counts": {"a": 1}, "rows": [1], "out": {"x": 1}}
     assert type(out["cfg"]) is dict and type(out["out"]) is OrderedDict
 
+
 def test_a_tensor_s_python_attributes_are_named_in_the_warning_not_dropped_silently(tmp_path: Path) -> None:
     # torch.save pickles a tensor's __dict__ (Megatron marks parameters this way).
     p = torch.nn.Parameter(torch.ones(2))
     p.tensor_model_parallel = True  # type: ignore[attr-defined]
+    p._mark = 2  # type: ignore[attr-defined]
     t = torch.zeros(3)
     t.note = {"a": 1}  # type: ignore[attr-defined]
+    compiled = torch.zeros(2)  # torch.compile marks an optimizer's states so: not the trainer's values
+    compiled._dynamo_static_input_type = "unguarded"  # type: ignore[attr-defined]
     with pytest.warns(UserWarning) as seen:
-        out = round_trip({"p": p, "tied": p, "t": t, "plain": torch.ones(1)})
+        out = round_trip({"p": p, "tied": p, "t": t, "plain": torch.ones(1), "exp_avg": compiled})
     (one,) = seen
     assert str(one.message) == ("stored as plain ones, these load as such: /p: a Parameter without its Python "
                                 "attributes (tensor_model_parallel); /t: a Tensor without its Python attributes (note)")
@@ -413,7 +417,7 @@ NO_PLAIN_STORAGE = {
     "nested": ("torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])", r"nested tensor.*unbind"),
     "jagged": ("torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)",
                r"nested tensor.*unbind"),
-    # Its bytes were read from address 0: the save died with SIGSEGV.
+    # No memory behind it: a writer that read its bytes would read address 0.
     "meta": ("torch.empty(300, device='meta')", r"meta device has no data.*to_empty"),
 }  # fmt: skip
 

@@ -198,10 +198,10 @@ def test_into_tensors_of_another_dtype_are_cast_as_load_state_dict_casts(tmp_pat
     # A model cast since the save (bf16 inference, a float64 check): load_state_dict,
     # DCP and slurm_ckpt.sharded cast into it. Large ones too, which are otherwise
     # read in place, tied weights and views among them.
-    buf = torch.randn(300_000)
+    buf = torch.randn(600_000)  # as bf16 too, over the size read in place
     state = {"model": {"w": buf, "tied": buf, "head": buf[:10], "b": torch.randn(5)}, "step": torch.tensor(7)}
     saved(state, tmp_path)
-    big = torch.zeros(300_000, dtype=torch.bfloat16)
+    big = torch.zeros(600_000, dtype=torch.bfloat16)
     into = {"model": {"w": big, "tied": big, "head": torch.zeros(10, dtype=torch.float64),
                       "b": torch.zeros(5, dtype=torch.float16)}, "step": torch.zeros((), dtype=torch.float32)}
     with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
