@@ -170,9 +170,17 @@ def test_accelerate_save_state_and_load_state_go_through_the_checkpointer(tmp_pa
         counter.n = 99
         torch.rand(5)
         assert load_state(acc, ckpt, staging=tmp_path / "stage") == 3
+        assert not list((tmp_path / "stage").iterdir())  # nor the copy it loaded from
     assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
     assert sched.get_last_lr() == lr and counter.n == 3
     assert torch.equal(torch.get_rng_state(), draw)
+
+    with Checkpointer(tmp_path / "run", scratch=False) as ckpt:
+        other = Accelerator(cpu=True)
+        other.prepare(torch.nn.Linear(4, 3))  # not the model saved: Accelerate's load raises
+        with pytest.raises(RuntimeError, match="size mismatch"):
+            load_state(other, ckpt, staging=tmp_path / "stage")
+        assert not list((tmp_path / "stage").iterdir())  # a copy of the checkpoint is not left behind
 
 
 def test_accelerate_automatic_checkpoint_naming_is_refused(tmp_path: Path) -> None:

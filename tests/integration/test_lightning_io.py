@@ -94,6 +94,9 @@ def test_first_fit_starts_fresh_and_model_checkpoint_options_keep_working(tmp_pa
     assert step in (4, 8, 12) and f"step={step}" in best.name
     loaded = io.load_checkpoint(best)
     assert loaded["global_step"] == step
+    # Lightning's own default is a function: tensors stay where they were saved.
+    for where in (lambda storage, location: storage, "cpu", {"cpu": "cpu"}):
+        assert io.load_checkpoint(best, map_location=where)["global_step"] == step
     assert set(loaded["state_dict"]) == {"net.weight", "net.bias"}
     assert io.load_checkpoint(str(io.ckpt.latest()))["global_step"] == 12
 
