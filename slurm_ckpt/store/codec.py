@@ -519,17 +519,11 @@ def _one_of(val: Any, allowed: tuple[str, ...]) -> str:
     return str(val)
 
 
-def _ints(val: Any) -> list[int]:
-    """A ``torch.Size``: a list of ints (not bools) that fit in int64, negative ones too."""
-    if not isinstance(val, list) or not all(type(d) is int and -(2**63) <= d < 2**63 for d in val):
-        raise ValueError("not a size")
-    return val
-
-
-def _dims(val: Any) -> list[int]:
-    """A shape: a list of ints, each a valid size (not a bool, not negative, fits in int64)."""
-    if not isinstance(val, list) or not all(type(d) is int and 0 <= d < 2**63 for d in val):
-        raise ValueError("not a shape")
+def _int64s(val: Any, least: int = -(2**63)) -> list[int]:
+    """A list of ints (not bools) of at least ``least`` that fit in int64: a ``torch.Size``
+    (negative entries too), or with ``least=0`` a shape or strides."""
+    if not isinstance(val, list) or not all(type(d) is int and least <= d < 2**63 for d in val):
+        raise ValueError("not a list of int64s")
     return val
 
 
@@ -540,8 +534,7 @@ def _view_record(rec: Any) -> dict[str, Any]:
     """A ``$view`` record with every field it needs, of its type (``_rebuild`` checks the rest)."""
     try:
         ok = (isinstance(rec, dict) and all(type(rec.get(k)) is t for k, t in _VIEW_FIELDS.items())
-              and len(rec["stride"]) == len(_dims(rec["shape"])) and rec["offset"] >= 0
-              and all(type(s) is int and s >= 0 for s in rec["stride"]))  # fmt: skip
+              and len(_int64s(rec["stride"], 0)) == len(_int64s(rec["shape"], 0)) and rec["offset"] >= 0)  # fmt: skip
     except ValueError:
         ok = False
     if not ok:
@@ -565,7 +558,7 @@ _LEAVES: dict[str, Callable[[Any], Any]] = {
     "$int": lambda v: int(_str(v), 16),
     "$dtype": _dtype,
     "$device": lambda v: _torch().device(_str(v)),
-    "$size": lambda v: _torch().Size(_ints(v)),
+    "$size": lambda v: _torch().Size(_int64s(v)),
     "$path": lambda v: Path(_str(v)),
 }
 """The tags whose value is a plain JSON value, with what each decodes to."""
