@@ -12,8 +12,10 @@ so no pickle is loaded by slurm-ckpt.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -25,7 +27,7 @@ from ..placement import Local
 from ..ranks import open_group
 from ._steps import load_step
 
-__all__ = ["folder_state", "one_writer", "resume_folder", "write_folder"]
+__all__ = ["folder_state", "one_writer", "resume_folder", "together", "write_folder"]
 
 _FORMAT = "slurm-ckpt-folder"
 
@@ -79,6 +81,30 @@ def one_writer(ckpt: Checkpointer, what: str) -> None:
             f"{what} commits the checkpoint from the main process alone, and this Checkpointer saves "
             "collectively (torch.distributed is initialised): make it with Checkpointer(distributed=False)"
         )
+
+
+Flagged = Callable[[bool], list[int]]
+"""A collective over every process: the ranks whose ``flag`` is True, in rank order."""
+
+
+@contextlib.contextmanager
+def together(what: str, flagged: Flagged) -> Iterator[None]:
+    """Run one step of a save that every process takes, and fail it on all when it fails on any.
+
+    The process where the step failed raises its own error; the others raise
+    :class:`ShardError` naming it. Without this, a process whose part failed
+    (the main one's commit, on a full disk) leaves the others waiting at the
+    framework's next barrier until the collective timeout. Leaving the block is
+    itself a barrier: no process goes on before every one has finished the step.
+    """
+    try:
+        yield
+    except Exception:
+        flagged(True)
+        raise
+    failed = flagged(False)
+    if failed:
+        raise ShardError(f"{what} failed on rank {', '.join(map(str, failed))}: that process's error says why")
 
 
 def resume_folder(ckpt: Checkpointer, root: Path) -> tuple[int, Path] | None:

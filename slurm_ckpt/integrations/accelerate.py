@@ -34,6 +34,7 @@ nodes, pass a ``staging`` dir that all of them see.
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import tempfile
 from pathlib import Path
@@ -44,7 +45,7 @@ from accelerate import Accelerator
 from .._env import job_id, scratch_dir
 from ..checkpointer import Checkpointer
 from ..errors import ConfigError
-from ._folder import folder_state, one_writer, resume_folder
+from ._folder import folder_state, one_writer, resume_folder, together
 
 __all__ = ["load_state", "preempted", "save_state"]
 
@@ -73,13 +74,14 @@ def save_state(accelerator: Accelerator, ckpt: Checkpointer, step: int, *,
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
+    flagged = functools.partial(_flagged, accelerator)
     path = None
     try:
-        accelerator.save_state(str(tmp), **save_kwargs)
-        accelerator.wait_for_everyone()  # every process's files are in
-        if accelerator.is_main_process:
-            path = ckpt.save(folder_state(tmp), step)
-        accelerator.wait_for_everyone()
+        with together(f"writing checkpoint {step}", flagged):
+            accelerator.save_state(str(tmp), **save_kwargs)
+        with together(f"committing checkpoint {step}", flagged):  # once every process's files are in
+            if accelerator.is_main_process:
+                path = ckpt.save(folder_state(tmp), step)
     finally:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -102,8 +104,8 @@ def load_state(accelerator: Accelerator, ckpt: Checkpointer, *,
         return None
     step, folder = found
     try:
-        accelerator.load_state(str(folder), **load_kwargs)
-        accelerator.wait_for_everyone()  # every process has read the node's copy
+        with together(f"loading checkpoint {step}", functools.partial(_flagged, accelerator)):
+            accelerator.load_state(str(folder), **load_kwargs)  # then every process has read the node's copy
     finally:
         # After an error too: a copy of the whole checkpoint must not stay on the
         # node's scratch (a process of the node still reading it fails as well).
@@ -118,10 +120,15 @@ def preempted(accelerator: Accelerator, ckpt: Checkpointer) -> bool:
 
     Slurm signals each process at a slightly different moment, and a process
     that went into ``save_state`` while another ran one more step would wait
-    for it forever. Call on every process at every step: one small reduce on
+    for it forever. Call on every process at every step: one small gather on
     the training device, which waits for the device as ``loss.item()`` does.
     """
+    return bool(_flagged(accelerator, ckpt.preempted))
+
+
+def _flagged(accelerator: Accelerator, flag: bool) -> list[int]:
+    """The processes whose ``flag`` is True: a gather on the training device (NCCL gathers CUDA tensors only)."""
     import torch
 
-    flag = torch.tensor([int(ckpt.preempted)], device=accelerator.device)
-    return bool(accelerator.reduce(flag, reduction="sum").item())
+    flags = accelerator.gather(torch.tensor([int(flag)], device=accelerator.device))
+    return [rank for rank, f in enumerate(flags.tolist()) if f]

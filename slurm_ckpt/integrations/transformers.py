@@ -31,6 +31,7 @@ sit on node-local disk when the job has one node.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..checkpointer import Checkpointer
-from ._folder import folder_state, one_writer, resume_folder
+from ._folder import folder_state, one_writer, resume_folder, together
 
 __all__ = ["SlurmCkptCallback"]
 
@@ -47,19 +48,16 @@ log = logging.getLogger("slurm_ckpt")
 RESUME_DIR = ".slurm-ckpt-resume"
 
 
-def _agree(flag: bool, device: Any) -> bool:
-    """True on every rank when it is on any: ranks must stop at the same step.
-
-    On the training ``device``: an NCCL group reduces CUDA tensors only.
-    """
+def _flagged(flag: bool, device: Any) -> list[int]:
+    """The ranks whose ``flag`` is True: a gather on the training ``device`` (NCCL gathers CUDA tensors only)."""
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+        return [0] if flag else []
+    flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, torch.tensor([int(flag)], device=device))
+    return [rank for rank, f in enumerate(torch.cat(flags).tolist()) if f]
 
 
 def _barrier() -> None:
@@ -116,7 +114,8 @@ class SlurmCkptCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:  # fmt: skip
-        if not self._stopping and _agree(self.ckpt.preempted, args.device):
+        # Agreed: ranks must stop at the same step.
+        if not self._stopping and _flagged(self.ckpt.preempted, args.device):
             self._stopping = True
             control.should_save = True
             control.should_training_stop = True
@@ -126,9 +125,9 @@ class SlurmCkptCallback(TrainerCallback):
         one_writer(self.ckpt, "SlurmCkptCallback")
         folder = Path(args.output_dir or "trainer_output") / f"checkpoint-{state.global_step}"
         _barrier()  # every process has written its part (its RNG file)
-        if state.is_world_process_zero:
-            self.ckpt.save(folder_state(folder), step=state.global_step)
-        _barrier()
+        with together(f"committing checkpoint {state.global_step}", functools.partial(_flagged, device=args.device)):
+            if state.is_world_process_zero:
+                self.ckpt.save(folder_state(folder), step=state.global_step)
         if self._stopping:
             self.stopped, self.step = True, state.global_step
             log.info("checkpointed step %d on request; stopping", state.global_step)

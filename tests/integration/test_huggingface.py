@@ -7,6 +7,7 @@ they read themselves, so it runs in this process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from slurm_ckpt.errors import ShardError
 from slurm_ckpt.integrations._folder import folder_state, write_folder
 from slurm_ckpt.integrations.accelerate import load_state, save_state
 from slurm_ckpt.integrations.transformers import SlurmCkptCallback
+from tests.faultfs.fixtures import make_tmpfs  # noqa: F401 - fixture
 
 
 @pytest.fixture(autouse=True)
@@ -255,3 +257,117 @@ def test_resume_path_of_several_processes_is_one_step_and_one_copy_a_node(tmp_pa
                for g in got), [g["failed"] for g in got]  # fmt: skip
     assert [g["failed"].rsplit(" | ", 1)[1] for g in got] == ["UnsafeLoad", "NoneType", "NoneType"]
     assert all("Checkpointer(distributed=False)" in g["refused"] for g in got)
+
+
+class _Refusing:
+    """A ``register_for_checkpointing`` object whose load fails on one process (state that
+    process cannot take), so that Accelerate's load_state raises there alone."""
+
+    def __init__(self, refuse: bool) -> None:
+        self.refuse = refuse
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": 1}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        if self.refuse:
+            raise ValueError("this process cannot take the saved state")
+
+
+def _failing_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """One process of a two-process Accelerate job whose save or load fails on one process
+    only: the main one's commit on a full run dir, the other's files on a full staging dir,
+    the other's load of an object. Each outcome: the error's type and message."""
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    acc = Accelerator(cpu=True)
+    model = acc.prepare(torch.nn.Linear(1024, 512))  # 2 MiB of weights: more than the full run dir holds
+    acc.register_for_checkpointing(_Refusing(refuse=rank == 1))
+    stage = Path(args["stage"])
+
+    def outcome(call: Any) -> str:
+        try:
+            call()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "ok"
+
+    full = Checkpointer(args["full"], scratch=False, distributed=False)
+    run = Checkpointer(args["run"], scratch=False, distributed=False)
+    got = {
+        "commit": outcome(lambda: save_state(acc, full, 1, staging=stage)),
+        "write": outcome(lambda: save_state(acc, run, 2, staging=Path(args["full_stage"]) if rank else stage)),
+        "save": outcome(lambda: save_state(acc, run, 3, staging=stage)),
+        "load": outcome(lambda: load_state(acc, run, staging=stage)),
+    }
+    full.close()
+    run.close()
+    del model
+    return got
+
+
+def test_accelerate_save_or_load_failing_on_one_process_fails_on_every_process(
+    tmp_path: Path, make_tmpfs: Callable[..., Path]  # noqa: F811 - fixture
+) -> None:
+    """A process whose part of save_state or load_state failed used to leave the others
+    waiting at Accelerate's next barrier until the collective timeout (30 min with gloo):
+    every process must raise, the failing one its own error, the others naming it."""
+    from tests.integration.dist_ranks import launch
+
+    full_stage = make_tmpfs("64K")
+    with open(full_stage / "filler", "wb") as f, pytest.raises(OSError, match="No space"):
+        f.write(b"x" * (1 << 20))  # full: not one more block
+    args = {"full": str(make_tmpfs("1M")), "run": str(tmp_path / "run"), "stage": str(tmp_path / "stage"),
+            "full_stage": str(full_stage)}  # fmt: skip
+    got = launch(2, "tests.integration.test_huggingface:_failing_worker", args, tmp_path / "ranks", timeout=120)
+
+    assert got[0]["commit"].startswith("NoSpace: "), got[0]
+    assert got[1]["commit"] == "ShardError: committing checkpoint 1 failed on rank 0: that process's error says why"
+    # torch.save's own error on the full disk ("unexpected pos"), raised where it happened.
+    assert got[1]["write"] != "ok" and not got[1]["write"].startswith("ShardError"), got[1]
+    assert got[0]["write"] == "ShardError: writing checkpoint 2 failed on rank 1: that process's error says why"
+    assert [g["save"] for g in got] == ["ok", "ok"]
+    assert sorted(p.name for p in (tmp_path / "run").glob("step-*")) == ["step-000000003"]  # nothing of 2
+    assert got[1]["load"] == "ValueError: this process cannot take the saved state"
+    assert got[0]["load"] == "ShardError: loading checkpoint 3 failed on rank 1: that process's error says why"
+    assert not list((tmp_path / "stage").iterdir())  # neither a save's files nor the load's copy stay
+
+
+def _trainer_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """One process of a two-process Trainer: a commit that fails on the main process (a
+    full run dir), then a stop requested on rank 1 alone (as Slurm signals one task first)."""
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    failing = SlurmCkptCallback(Checkpointer(args["full"], scratch=False, distributed=False))
+    try:
+        _trainer(Path(args["out"]) / "failing", 5, [failing]).train()
+        commit = "ok"
+    except Exception as e:
+        commit = f"{type(e).__name__}: {e}"
+    failing.ckpt.close()
+    cb = SlurmCkptCallback(Checkpointer(args["run"], scratch=False, distributed=False))
+    if rank == 1:
+        cb.ckpt.control.request()  # what the wrapper's signal does
+    trainer = _trainer(Path(args["out"]) / "stopping", 20, [cb])
+    trainer.train()
+    cb.ckpt.close()
+    return {"commit": commit, "stopped": cb.stopped, "step": cb.step, "global_step": trainer.state.global_step}
+
+
+def test_trainer_commit_failing_on_the_main_process_fails_every_process(
+    tmp_path: Path, make_tmpfs: Callable[..., Path]  # noqa: F811 - fixture
+) -> None:
+    """The Trainer calls on_save on every process; a commit that failed on the main one used
+    to leave the others waiting at the next barrier until the collective timeout. And a stop
+    requested on one process stops all of them at the same step."""
+    from tests.integration.dist_ranks import launch
+
+    args = {"full": str(make_tmpfs("16K")), "run": str(tmp_path / "run"), "out": str(tmp_path / "out")}
+    got = launch(2, "tests.integration.test_huggingface:_trainer_worker", args, tmp_path / "ranks", timeout=120)
+
+    assert got[0]["commit"].startswith("NoSpace: "), got[0]
+    assert got[1]["commit"] == "ShardError: committing checkpoint 5 failed on rank 0: that process's error says why"
+    assert [(g["stopped"], g["step"], g["global_step"]) for g in got] == [(True, 1, 1)] * 2
+    assert sorted(p.name for p in (tmp_path / "run").glob("step-*")) == ["step-000000001"]
