@@ -234,8 +234,9 @@ def encode_state(
     """Split ``state`` into a JSON tree and a list of data-file entries.
 
     ``stored``: false where a state is encoded to be matched (an ``into=``
-    target), not stored: then no warning says which dict and list subclasses
-    were stored as plain ones, and tensors on the meta device are taken.
+    target), not stored: then no warning says which subclasses (of dict, list,
+    str, int, float) were stored as plain values, and tensors on the meta
+    device are taken.
 
     ``prepare`` maps each entry's tensor to the CPU contiguous tensor that will
     be written (the engine passes its staging copy here); by default tensors are
@@ -246,7 +247,7 @@ def encode_state(
     to it by: the sharded path (``slurm_ckpt.sharded``) stores them itself.
     """
     out = EncodedState(tree=None)
-    plain: list[str] = []  # paths of dict and list subclasses stored as plain ones
+    plain: list[str] = []  # what was stored as a plain value, by path (a dict subclass as a dict)
     torch_mod = sys.modules.get("torch")  # no tensor without it
     tensor_type, strided = getattr(torch_mod, "Tensor", None), getattr(torch_mod, "strided", None)
     memo: dict[int, dict[str, Any]] = {}  # id(tensor or array) -> its tag object
@@ -327,14 +328,20 @@ def encode_state(
         if type(obj) is tensor_type and obj.layout is strided:  # the common leaf, first
             return tensor_ref(obj, path)
         if obj is None or isinstance(obj, (bool, str)):
-            return obj
+            if type(obj) is str or type(obj) is bool or obj is None:
+                return obj
+            if _package(obj) != "numpy":  # np.str_ is a str to every reader: said in docs/loading.md
+                plain.append(_plain_note(obj, path))  # a str Enum's member, say
+            return str.__str__(obj)
         if isinstance(obj, int):
+            if type(obj) is not int:
+                plain.append(_plain_note(obj, path))  # an IntEnum's or IntFlag's member, say
             return int(obj) if obj.bit_length() <= _MAX_JSON_INT_BITS else {"$int": hex(obj)}
         if type(obj) is float:  # np.float64 is a float too: it is kept below
             if math.isfinite(obj):
                 return obj
             return {"$float": repr(obj)}
-        tname = type(obj).__module__.split(".")[0]
+        tname = _package(obj)
         if tname == "torch":
             import torch
 
@@ -360,7 +367,8 @@ def encode_state(
                 # on an np.float32 rounds to float32, on a float to float64, so
                 # a resumed loop would drift from the one that saved.
                 return {"$npscalar": [obj.dtype.str, _np_scalar_value(obj)]}
-        if isinstance(obj, float):
+        if isinstance(obj, float):  # a subclass: numpy's are kept above
+            plain.append(_plain_note(obj, path))
             return enc(float(obj), path)
         if isinstance(obj, complex):
             return {"$complex": [enc(obj.real, path), enc(obj.imag, path)]}
@@ -413,7 +421,10 @@ def encode_state(
             "tensors and plain values, or pass allow_pickle=True (trusted input only)"
         )
 
-    out.tree = enc(state, "")
+    try:
+        out.tree = enc(state, "")
+    except RecursionError:  # torch.save keeps a cycle; the tree cannot hold one
+        raise UnsupportedValue(_too_deep(state)) from None
     for group in storages.values():
         _store(group, entry)
     if plain and stored:
@@ -478,12 +489,43 @@ def _factory_kept(factory: Any) -> bool:
     return factory is None or (isinstance(factory, type) and factory in _FACTORIES)
 
 
+def _too_deep(state: Any) -> str:
+    """Why :func:`encode_state` ran out of stack: the first container found inside itself."""
+    on_path: dict[int, str] = {}  # the containers being walked, by id: their paths
+    walk: list[tuple[Any, str, bool]] = [(state, "", False)]
+    while walk:
+        obj, path, leaving = walk.pop()
+        if leaving:
+            del on_path[id(obj)]
+            continue
+        if isinstance(obj, dict):
+            inside = [(v, f"{path}/{_escape(str(k))}") for k, v in obj.items()]
+        elif isinstance(obj, (list, tuple)):
+            inside = [(v, f"{path}/{i}") for i, v in enumerate(obj)]
+        elif _package(obj) == "argparse" and type(obj).__qualname__ == "Namespace":
+            inside = [(v, f"{path}/{_escape(k)}") for k, v in vars(obj).items()]
+        else:
+            continue
+        if id(obj) in on_path:
+            return (f"{path}: the {type(obj).__name__} at {on_path[id(obj)] or '/'} again, inside itself; a state "
+                    "holding a cycle cannot be stored: break the cycle, or save the values it leads to")  # fmt: skip
+        on_path[id(obj)] = path
+        walk.append((obj, path, True))
+        walk.extend(reversed([(v, p, False) for v, p in inside]))
+    return "the state is nested deeper than Python's recursion limit; flatten it"
+
+
+def _package(obj: Any) -> str:
+    """The top-level package of ``obj``'s type: ``"numpy"`` for ``np.float32``."""
+    return type(obj).__module__.split(".")[0]
+
+
 def _plain_note(obj: Any, path: str) -> str:
-    """What :func:`encode_state` says of a dict or list subclass it stores as a plain one."""
-    base = "OrderedDict" if isinstance(obj, OrderedDict) else "dict" if isinstance(obj, dict) else "list"
+    """What :func:`encode_state` says of a dict, list, str, int or float subclass it stores as a plain one."""
+    base = next(b.__name__ for b in (OrderedDict, dict, list, str, int, float) if isinstance(obj, b))
     if isinstance(obj, defaultdict):
         return f"{path or '/'}: a defaultdict of {obj.default_factory!r}, not a builtin type, as a dict"
-    return f"{path or '/'}: a {type(obj).__qualname__} as a {base}"
+    return f"{path or '/'}: a {type(obj).__qualname__} as {'an' if base[0] in 'iO' else 'a'} {base}"
 
 
 def _dict_of_kind(tag: str, val: Any, dec: Callable[[Any], Any]) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import math
 import re
@@ -23,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slurm_ckpt import CheckpointCorrupt, Checkpointer, UnsafeLoad, UnsupportedValue
-from slurm_ckpt.store.codec import decode_state
+from slurm_ckpt.store.codec import decode_state, encode_state
 
 DTYPES = [
     torch.float32,
@@ -468,3 +469,49 @@ def test_pickled_objects_load_only_when_trusted(tmp_path: Path) -> None:
             ck.load_latest()
         out = ck.load_latest(trusted=True)
     assert isinstance(out["obj"], Opaque) and out["obj"].x == 7
+
+
+class Strategy(str, enum.Enum):
+    STEPS = "steps"
+
+
+class Level(enum.IntEnum):
+    HIGH = 2
+
+
+class Scale(float):
+    pass
+
+
+def test_str_int_and_float_subclasses_are_named_in_the_warning_as_dict_subclasses_are() -> None:
+    """A member of a str or int Enum is a str or an int: stored as one, it loads without its
+    Enum (``.value`` fails, ``is`` tests fail); torch.save pickles it whole."""
+
+    state = {"cfg": {"save": Strategy.STEPS, "level": Level.HIGH, "scale": Scale(0.5)},
+             "names": [np.str_("cat")], "plain": ["s", 1, 0.5, True]}  # fmt: skip
+    with pytest.warns(UserWarning) as seen:
+        out = round_trip(state)
+    (one,) = seen
+    assert str(one.message) == ("stored as plain ones, these load as such: /cfg/save: a Strategy as a str; "
+                                "/cfg/level: a Level as an int; /cfg/scale: a Scale as a float")  # fmt: skip
+    assert out == {"cfg": {"save": "steps", "level": 2, "scale": 0.5}, "names": ["cat"], "plain": ["s", 1, 0.5, True]}
+    assert [type(v) for v in out["cfg"].values()] == [str, int, float]
+
+
+def test_a_state_holding_a_cycle_is_refused_naming_it_not_a_recursion_error() -> None:
+    looped: dict[str, Any] = {"lr": 0.1}
+    looped["self"] = looped
+    rows: list[Any] = []
+    rows.append((rows,))
+    args = argparse.Namespace(lr=0.1)
+    args.parent = {"child": args}
+    for state, where in (({"cfg": looped}, "/cfg/self: the dict at /cfg again"),
+                         ({"rows": rows}, "/rows/0/0: the list at /rows again"),
+                         ({"args": args}, "/args/parent/child: the Namespace at /args again")):  # fmt: skip
+        with pytest.raises(UnsupportedValue, match="^" + re.escape(where + ", inside itself; ")):
+            encode_state(state, allow_pickle=True)  # not pickled either: containers are walked
+    deep: list[Any] = []
+    for _ in range(sys.getrecursionlimit()):
+        deep = [deep]
+    with pytest.raises(UnsupportedValue, match="nested deeper than Python's recursion limit"):
+        encode_state({"deep": deep})
