@@ -139,8 +139,8 @@ class SlurmError(SlurmCkptError, RuntimeError):
 
 
 class ShardError(SlurmCkptError, RuntimeError):
-    """A multi-rank save, or a framework's multi-process resume, failed on some rank; the
-    message names the rank and its error."""
+    """A multi-rank save, or a framework's multi-process save or resume, failed on some rank;
+    the message names the rank, and its error where that rank could send it."""
 
 
 def storage_error(exc: OSError, what: str, path: str | os.PathLike[str] | None = None) -> StorageError:

@@ -89,22 +89,27 @@ Flagged = Callable[[bool], list[int]]
 
 @contextlib.contextmanager
 def together(what: str, flagged: Flagged) -> Iterator[None]:
-    """Run one step of a save that every process takes, and fail it on all when it fails on any.
+    """Run a step of a save or a load that every process takes, and fail it on all when it fails on any.
 
     The process where the step failed raises its own error; the others raise
-    :class:`ShardError` naming it. Without this, a process whose part failed
-    (the main one's commit, on a full disk) leaves the others waiting at the
-    framework's next barrier until the collective timeout. Leaving the block is
-    itself a barrier: no process goes on before every one has finished the step.
+    :class:`ShardError` naming its rank. Without this, a process whose part
+    failed (the main one's commit, on a full disk) leaves the others waiting
+    at the framework's next barrier until the collective timeout. Leaving the
+    block is itself a barrier: no process goes on before every one has
+    finished the step. The step must run no collective of its own: a process
+    that fails before one would be in the flag gather while the others wait in
+    that collective (FSDP's and DeepSpeed's ``save_state`` run some).
     """
     try:
         yield
-    except Exception:
+    except BaseException:  # Ctrl-C too: the others must not wait for this process
         flagged(True)
         raise
     failed = flagged(False)
+    if len(failed) == 1:
+        raise ShardError(f"{what} failed on rank {failed[0]}: that process's error says why")
     if failed:
-        raise ShardError(f"{what} failed on rank {', '.join(map(str, failed))}: that process's error says why")
+        raise ShardError(f"{what} failed on ranks {', '.join(map(str, failed))}: those processes' errors say why")
 
 
 def resume_folder(ckpt: Checkpointer, root: Path) -> tuple[int, Path] | None:

@@ -108,7 +108,7 @@ def load_state(accelerator: Accelerator, ckpt: Checkpointer, *,
             accelerator.load_state(str(folder), **load_kwargs)  # then every process has read the node's copy
     finally:
         # After an error too: a copy of the whole checkpoint must not stay on the
-        # node's scratch (a process of the node still reading it fails as well).
+        # node's scratch. Every process is done with it once together() has ended.
         shutil.rmtree(folder.parent, ignore_errors=True)
         with contextlib.suppress(OSError):  # another process's copy, or its removal, may be there
             root.rmdir()

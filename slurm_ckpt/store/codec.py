@@ -373,8 +373,11 @@ def encode_state(
         if isinstance(obj, complex):
             return {"$complex": [enc(obj.real, path), enc(obj.imag, path)]}
         if isinstance(obj, dict):
-            if all(isinstance(k, str) and not k.startswith("$") for k in obj):
+            if all(type(k) is str and not k.startswith("$") for k in obj):
                 body: Any = {k: enc(v, f"{path}/{_escape(k)}") for k, v in obj.items()}
+            elif all(isinstance(k, str) and not k.startswith("$") for k in obj):
+                # Some keys of a str subclass (a str Enum's members): enc stores them as str, and says so.
+                body = {enc(k, f"{path}/$key"): enc(v, f"{path}/{_escape(k)}") for k, v in obj.items()}
             else:
                 body = {"$items": [[enc(k, f"{path}/$key"), enc(v, f"{path}/{_escape(str(k))}")]
                                    for k, v in obj.items()]}  # fmt: skip
@@ -500,6 +503,8 @@ def _too_deep(state: Any) -> str:
             continue
         if isinstance(obj, dict):
             inside = [(v, f"{path}/{_escape(str(k))}") for k, v in obj.items()]
+            if isinstance(obj, OrderedDict) and getattr(obj, "_metadata", None) is not None:
+                inside.append((obj._metadata, f"{path}/$metadata"))  # type: ignore[attr-defined]
         elif isinstance(obj, (list, tuple)):
             inside = [(v, f"{path}/{i}") for i, v in enumerate(obj)]
         elif _package(obj) == "argparse" and type(obj).__qualname__ == "Namespace":
@@ -525,7 +530,12 @@ def _plain_note(obj: Any, path: str) -> str:
     base = next(b.__name__ for b in (OrderedDict, dict, list, str, int, float) if isinstance(obj, b))
     if isinstance(obj, defaultdict):
         return f"{path or '/'}: a defaultdict of {obj.default_factory!r}, not a builtin type, as a dict"
-    return f"{path or '/'}: a {type(obj).__qualname__} as {'an' if base[0] in 'iO' else 'a'} {base}"
+    return f"{path or '/'}: {_a(type(obj).__qualname__)} as {_a(base)}"
+
+
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article: "an IntervalStrategy", "a dict"."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _dict_of_kind(tag: str, val: Any, dec: Callable[[Any], Any]) -> Any:

@@ -265,11 +265,14 @@ class _Refusing:
 
     def __init__(self, refuse: bool) -> None:
         self.refuse = refuse
+        self.interrupt = False  # Ctrl-C in the middle of the load instead
 
     def state_dict(self) -> dict[str, int]:
         return {"n": 1}
 
     def load_state_dict(self, sd: dict[str, int]) -> None:
+        if self.refuse and self.interrupt:
+            raise KeyboardInterrupt
         if self.refuse:
             raise ValueError("this process cannot take the saved state")
 
@@ -283,13 +286,14 @@ def _failing_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, An
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     acc = Accelerator(cpu=True)
     model = acc.prepare(torch.nn.Linear(1024, 512))  # 2 MiB of weights: more than the full run dir holds
-    acc.register_for_checkpointing(_Refusing(refuse=rank == 1))
+    refusing = _Refusing(refuse=rank == 1)
+    acc.register_for_checkpointing(refusing)
     stage = Path(args["stage"])
 
     def outcome(call: Any) -> str:
         try:
             call()
-        except Exception as e:
+        except BaseException as e:
             return f"{type(e).__name__}: {e}"
         return "ok"
 
@@ -301,6 +305,8 @@ def _failing_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, An
         "save": outcome(lambda: save_state(acc, run, 3, staging=stage)),
         "load": outcome(lambda: load_state(acc, run, staging=stage)),
     }
+    refusing.interrupt = True
+    got["interrupted"] = outcome(lambda: load_state(acc, run, staging=stage))
     full.close()
     run.close()
     del model
@@ -310,9 +316,9 @@ def _failing_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, An
 def test_accelerate_save_or_load_failing_on_one_process_fails_on_every_process(
     tmp_path: Path, make_tmpfs: Callable[..., Path]  # noqa: F811 - fixture
 ) -> None:
-    """A process whose part of save_state or load_state failed used to leave the others
+    """A process whose part of save_state or load_state fails must not leave the others
     waiting at Accelerate's next barrier until the collective timeout (30 min with gloo):
-    every process must raise, the failing one its own error, the others naming it."""
+    every process raises, the failing one its own error, the others naming it."""
     from tests.integration.dist_ranks import launch
 
     full_stage = make_tmpfs("64K")
@@ -331,6 +337,7 @@ def test_accelerate_save_or_load_failing_on_one_process_fails_on_every_process(
     assert sorted(p.name for p in (tmp_path / "run").glob("step-*")) == ["step-000000003"]  # nothing of 2
     assert got[1]["load"] == "ValueError: this process cannot take the saved state"
     assert got[0]["load"] == "ShardError: loading checkpoint 3 failed on rank 1: that process's error says why"
+    assert [g["interrupted"] for g in got] == [got[0]["load"], "KeyboardInterrupt: "]  # Ctrl-C: no one waits
     assert not list((tmp_path / "stage").iterdir())  # neither a save's files nor the load's copy stay
 
 
@@ -359,9 +366,9 @@ def _trainer_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, An
 def test_trainer_commit_failing_on_the_main_process_fails_every_process(
     tmp_path: Path, make_tmpfs: Callable[..., Path]  # noqa: F811 - fixture
 ) -> None:
-    """The Trainer calls on_save on every process; a commit that failed on the main one used
-    to leave the others waiting at the next barrier until the collective timeout. And a stop
-    requested on one process stops all of them at the same step."""
+    """The Trainer calls on_save on every process; a commit that fails on the main one must
+    not leave the others waiting at the next barrier until the collective timeout. And a
+    stop requested on one process stops all of them at the same step."""
     from tests.integration.dist_ranks import launch
 
     args = {"full": str(make_tmpfs("16K")), "run": str(tmp_path / "run"), "out": str(tmp_path / "out")}

@@ -496,6 +496,14 @@ def test_str_int_and_float_subclasses_are_named_in_the_warning_as_dict_subclasse
                                 "/cfg/level: a Level as an int; /cfg/scale: a Scale as a float")  # fmt: skip
     assert out == {"cfg": {"save": "steps", "level": 2, "scale": 0.5}, "names": ["cat"], "plain": ["s", 1, 0.5, True]}
     assert [type(v) for v in out["cfg"].values()] == [str, int, float]
+    keyed = {"by": {Strategy.STEPS: 1}, "level": {Level.HIGH: "x"}, "names": {np.str_("cat"): 1}}
+    with pytest.warns(UserWarning) as seen:
+        out = round_trip(keyed)
+    (one,) = seen
+    assert str(one.message) == ("stored as plain ones, these load as such: /by/$key: a Strategy as a str; "
+                                "/level/$key: a Level as an int")  # fmt: skip
+    assert out == {"by": {"steps": 1}, "level": {2: "x"}, "names": {"cat": 1}}
+    assert [type(k) for v in out.values() for k in v] == [str, int, str]
 
 
 def test_a_state_holding_a_cycle_is_refused_naming_it_not_a_recursion_error() -> None:
@@ -505,9 +513,12 @@ def test_a_state_holding_a_cycle_is_refused_naming_it_not_a_recursion_error() ->
     rows.append((rows,))
     args = argparse.Namespace(lr=0.1)
     args.parent = {"child": args}
+    sd: OrderedDict[str, Any] = OrderedDict(w=1)
+    sd._metadata = OrderedDict(back=sd)  # type: ignore[attr-defined]
     for state, where in (({"cfg": looped}, "/cfg/self: the dict at /cfg again"),
                          ({"rows": rows}, "/rows/0/0: the list at /rows again"),
-                         ({"args": args}, "/args/parent/child: the Namespace at /args again")):  # fmt: skip
+                         ({"args": args}, "/args/parent/child: the Namespace at /args again"),
+                         ({"sd": sd}, "/sd/$metadata/back: the OrderedDict at /sd again")):  # fmt: skip
         with pytest.raises(UnsupportedValue, match="^" + re.escape(where + ", inside itself; ")):
             encode_state(state, allow_pickle=True)  # not pickled either: containers are walked
     deep: list[Any] = []
