@@ -373,11 +373,10 @@ def encode_state(
         if isinstance(obj, complex):
             return {"$complex": [enc(obj.real, path), enc(obj.imag, path)]}
         if isinstance(obj, dict):
+            # type(k) is str: a key of a str subclass (a str Enum's member) goes through
+            # enc with the other keys, which stores it as a str and says so.
             if all(type(k) is str and not k.startswith("$") for k in obj):
                 body: Any = {k: enc(v, f"{path}/{_escape(k)}") for k, v in obj.items()}
-            elif all(isinstance(k, str) and not k.startswith("$") for k in obj):
-                # Some keys of a str subclass (a str Enum's members): enc stores them as str, and says so.
-                body = {enc(k, f"{path}/$key"): enc(v, f"{path}/{_escape(k)}") for k, v in obj.items()}
             else:
                 body = {"$items": [[enc(k, f"{path}/$key"), enc(v, f"{path}/{_escape(str(k))}")]
                                    for k, v in obj.items()]}  # fmt: skip
