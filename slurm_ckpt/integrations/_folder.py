@@ -85,31 +85,42 @@ def one_writer(ckpt: Checkpointer, what: str) -> None:
 
 Flagged = Callable[[bool], list[int]]
 """A collective over every process: the ranks whose ``flag`` is True, in rank order."""
+Told = Callable[[str], list[str]]
+"""A collective over every process: each one's text, in rank order."""
 
 
 @contextlib.contextmanager
-def together(what: str, flagged: Flagged) -> Iterator[None]:
+def together(what: str, flagged: Flagged, told: Told) -> Iterator[None]:
     """Run a step of a save or a load that every process takes, and fail it on all when it fails on any.
 
     The process where the step failed raises its own error; the others raise
-    :class:`ShardError` naming its rank. Without this, a process whose part
-    failed (the main one's commit, on a full disk) leaves the others waiting
-    at the framework's next barrier until the collective timeout. Leaving the
-    block is itself a barrier: no process goes on before every one has
-    finished the step. The step must run no collective of its own: a process
-    that fails before one would be in the flag gather while the others wait in
-    that collective (FSDP's and DeepSpeed's ``save_state`` run some).
+    :class:`ShardError` naming its rank and its error, so every process's log
+    says why. Without this, a process whose part failed (the main one's
+    commit, on a full disk) leaves the others waiting at the framework's next
+    barrier until the collective timeout. Leaving the block is itself a
+    barrier: no process goes on before every one has finished the step. The
+    step must run no collective of its own: a process that fails before one
+    would be in the flag gather while the others wait in that collective
+    (FSDP's and DeepSpeed's ``save_state`` run some). The errors' texts are
+    gathered only once a step has failed, so a step that succeeds costs one
+    small gather.
     """
     try:
         yield
-    except BaseException:  # Ctrl-C too: the others must not wait for this process
+    except BaseException as e:  # Ctrl-C too: the others must not wait for this process
         flagged(True)
+        told(_why(e))
         raise
     failed = flagged(False)
-    if len(failed) == 1:
-        raise ShardError(f"{what} failed on rank {failed[0]}: that process's error says why")
     if failed:
-        raise ShardError(f"{what} failed on ranks {', '.join(map(str, failed))}: those processes' errors say why")
+        texts = told("")
+        raise ShardError(f"{what} failed: {'; '.join(f'rank {r}: {texts[r]}' for r in failed)}")
+
+
+def _why(e: BaseException) -> str:
+    """An error for another process's message: its type and text, cut at 1000 characters."""
+    text = f"{type(e).__name__}: {e}".removesuffix(": ")
+    return text if len(text) <= 1000 else text[:999] + "\u2026"
 
 
 def resume_folder(ckpt: Checkpointer, root: Path) -> tuple[int, Path] | None:
@@ -141,7 +152,7 @@ def resume_folder(ckpt: Checkpointer, root: Path) -> tuple[int, Path] | None:
                 state = ckpt.load_latest()
                 picked = (ckpt.loaded_step if state is not None else None, "")
             except Exception as e:  # raised below on every process, not only here
-                cause, picked = e, (None, f"rank 0: {type(e).__name__}: {e}")
+                cause, picked = e, (None, f"rank 0: {_why(e)}")
         step, error = group.broadcast(picked)
         dest = root / f"node-{host}" / f"checkpoint-{step}"
         if writes and step is not None and not error:
@@ -150,7 +161,7 @@ def resume_folder(ckpt: Checkpointer, root: Path) -> tuple[int, Path] | None:
                     state = load_step(ckpt.search_dirs, ckpt.engine, step)
                 _rewrite(state, dest.parent, step)
             except Exception as e:
-                cause, error = e, f"rank {group.rank} on {host}: {type(e).__name__}: {e}"
+                cause, error = e, f"rank {group.rank} on {host}: {_why(e)}"
         del state
         errors = [e for e in group.all_gather(error) if e]
     finally:

@@ -74,12 +74,12 @@ def save_state(accelerator: Accelerator, ckpt: Checkpointer, step: int, *,
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    flagged = functools.partial(_flagged, accelerator)
+    collectives = functools.partial(_flagged, accelerator), _told
     path = None
     try:
-        with together(f"writing checkpoint {step}", flagged):
+        with together(f"writing checkpoint {step}", *collectives):
             accelerator.save_state(str(tmp), **save_kwargs)
-        with together(f"committing checkpoint {step}", flagged):  # once every process's files are in
+        with together(f"committing checkpoint {step}", *collectives):  # once every process's files are in
             if accelerator.is_main_process:
                 path = ckpt.save(folder_state(tmp), step)
     finally:
@@ -104,7 +104,7 @@ def load_state(accelerator: Accelerator, ckpt: Checkpointer, *,
         return None
     step, folder = found
     try:
-        with together(f"loading checkpoint {step}", functools.partial(_flagged, accelerator)):
+        with together(f"loading checkpoint {step}", functools.partial(_flagged, accelerator), _told):
             accelerator.load_state(str(folder), **load_kwargs)  # then every process has read the node's copy
     finally:
         # After an error too: a copy of the whole checkpoint must not stay on the
@@ -132,3 +132,10 @@ def _flagged(accelerator: Accelerator, flag: bool) -> list[int]:
 
     flags = accelerator.gather(torch.tensor([int(flag)], device=accelerator.device))
     return [rank for rank, f in enumerate(flags.tolist()) if f]
+
+
+def _told(text: str) -> list[str]:
+    """Every process's ``text``, in rank order (an object gather, run only once a step has failed)."""
+    from accelerate.utils import gather_object
+
+    return list(gather_object([text]))

@@ -60,6 +60,17 @@ def _flagged(flag: bool, device: Any) -> list[int]:
     return [rank for rank, f in enumerate(torch.cat(flags).tolist()) if f]
 
 
+def _told(text: str) -> list[str]:
+    """Every rank's ``text``, in rank order (an object gather, run only once a step has failed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [text]
+    texts: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(texts, text)
+    return texts
+
+
 def _barrier() -> None:
     import torch.distributed as dist
 
@@ -125,7 +136,8 @@ class SlurmCkptCallback(TrainerCallback):
         one_writer(self.ckpt, "SlurmCkptCallback")
         folder = Path(args.output_dir or "trainer_output") / f"checkpoint-{state.global_step}"
         _barrier()  # every process has written its part (its RNG file)
-        with together(f"committing checkpoint {state.global_step}", functools.partial(_flagged, device=args.device)):
+        collectives = functools.partial(_flagged, device=args.device), _told
+        with together(f"committing checkpoint {state.global_step}", *collectives):
             if state.is_world_process_zero:
                 self.ckpt.save(folder_state(folder), step=state.global_step)
         if self._stopping:

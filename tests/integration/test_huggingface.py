@@ -328,17 +328,29 @@ def test_accelerate_save_or_load_failing_on_one_process_fails_on_every_process(
             "full_stage": str(full_stage)}  # fmt: skip
     got = launch(2, "tests.integration.test_huggingface:_failing_worker", args, tmp_path / "ranks", timeout=120)
 
+    # Each process raises its own error, and the others the same error, with its rank.
     assert got[0]["commit"].startswith("NoSpace: "), got[0]
-    assert got[1]["commit"] == "ShardError: committing checkpoint 1 failed on rank 0: that process's error says why"
+    assert got[1]["commit"] == f"ShardError: committing checkpoint 1 failed: rank 0: {got[0]['commit']}"
     # torch.save's own error on the full disk ("unexpected pos"), raised where it happened.
     assert got[1]["write"] != "ok" and not got[1]["write"].startswith("ShardError"), got[1]
-    assert got[0]["write"] == "ShardError: writing checkpoint 2 failed on rank 1: that process's error says why"
+    assert got[0]["write"] == f"ShardError: writing checkpoint 2 failed: rank 1: {got[1]['write']}"
     assert [g["save"] for g in got] == ["ok", "ok"]
     assert sorted(p.name for p in (tmp_path / "run").glob("step-*")) == ["step-000000003"]  # nothing of 2
     assert got[1]["load"] == "ValueError: this process cannot take the saved state"
-    assert got[0]["load"] == "ShardError: loading checkpoint 3 failed on rank 1: that process's error says why"
-    assert [g["interrupted"] for g in got] == [got[0]["load"], "KeyboardInterrupt: "]  # Ctrl-C: no one waits
+    assert got[0]["load"] == "ShardError: loading checkpoint 3 failed: rank 1: ValueError: this process cannot take the saved state"
+    # Ctrl-C: no one waits.
+    assert [g["interrupted"] for g in got] == ["ShardError: loading checkpoint 3 failed: rank 1: KeyboardInterrupt",
+                                               "KeyboardInterrupt: "]  # fmt: skip
     assert not list((tmp_path / "stage").iterdir())  # neither a save's files nor the load's copy stay
+
+
+def test_an_error_told_to_the_other_processes_is_its_type_and_text_cut_at_1000_characters() -> None:
+    from slurm_ckpt.integrations._folder import _why
+
+    assert _why(KeyboardInterrupt()) == "KeyboardInterrupt"
+    assert _why(ValueError("no")) == "ValueError: no"
+    long = _why(ValueError("x" * 5000))
+    assert len(long) == 1000 and long.startswith("ValueError: xx") and long.endswith("x\u2026")
 
 
 def _trainer_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -375,6 +387,6 @@ def test_trainer_commit_failing_on_the_main_process_fails_every_process(
     got = launch(2, "tests.integration.test_huggingface:_trainer_worker", args, tmp_path / "ranks", timeout=120)
 
     assert got[0]["commit"].startswith("NoSpace: "), got[0]
-    assert got[1]["commit"] == "ShardError: committing checkpoint 5 failed on rank 0: that process's error says why"
+    assert got[1]["commit"] == f"ShardError: committing checkpoint 5 failed: rank 0: {got[0]['commit']}"
     assert [(g["stopped"], g["step"], g["global_step"]) for g in got] == [(True, 1, 1)] * 2
     assert sorted(p.name for p in (tmp_path / "run").glob("step-*")) == ["step-000000001"]
