@@ -48,14 +48,21 @@ log = logging.getLogger("slurm_ckpt")
 RESUME_DIR = ".slurm-ckpt-resume"
 
 
+def _world() -> int:
+    """The number of processes: 1 without a process group."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _flagged(flag: bool, device: Any) -> list[int]:
     """The ranks whose ``flag`` is True: a gather on the training ``device`` (NCCL gathers CUDA tensors only)."""
     import torch
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _world() == 1:
         return [0] if flag else []
-    flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(_world())]
     dist.all_gather(flags, torch.tensor([int(flag)], device=device))
     return [rank for rank, f in enumerate(torch.cat(flags).tolist()) if f]
 
@@ -64,9 +71,9 @@ def _told(text: str) -> list[str]:
     """Every rank's ``text``, in rank order (an object gather, run only once a step has failed)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _world() == 1:
         return [text]
-    texts: list[str] = [""] * dist.get_world_size()
+    texts: list[str] = [""] * _world()
     dist.all_gather_object(texts, text)
     return texts
 
