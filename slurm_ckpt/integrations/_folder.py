@@ -27,7 +27,7 @@ from ..placement import Local
 from ..ranks import open_group
 from ._steps import load_step
 
-__all__ = ["folder_state", "one_writer", "resume_folder", "together", "write_folder"]
+__all__ = ["error_text", "folder_state", "one_writer", "resume_folder", "together", "write_folder"]
 
 _FORMAT = "slurm-ckpt-folder"
 
@@ -109,7 +109,7 @@ def together(what: str, flagged: Flagged, told: Told) -> Iterator[None]:
         yield
     except BaseException as e:  # Ctrl-C too: the others must not wait for this process
         flagged(True)
-        told(_why(e))
+        told(error_text(e))
         raise
     failed = flagged(False)
     if failed:
@@ -117,7 +117,7 @@ def together(what: str, flagged: Flagged, told: Told) -> Iterator[None]:
         raise ShardError(f"{what} failed: {'; '.join(f'rank {r}: {texts[r]}' for r in failed)}")
 
 
-def _why(e: BaseException) -> str:
+def error_text(e: BaseException) -> str:
     """An error for another process's message: its type and text, cut at 1000 characters."""
     text = f"{type(e).__name__}: {e}".removesuffix(": ")
     return text if len(text) <= 1000 else text[:999] + "\u2026"
@@ -152,7 +152,7 @@ def resume_folder(ckpt: Checkpointer, root: Path) -> tuple[int, Path] | None:
                 state = ckpt.load_latest()
                 picked = (ckpt.loaded_step if state is not None else None, "")
             except Exception as e:  # raised below on every process, not only here
-                cause, picked = e, (None, f"rank 0: {_why(e)}")
+                cause, picked = e, (None, f"rank 0: {error_text(e)}")
         step, error = group.broadcast(picked)
         dest = root / f"node-{host}" / f"checkpoint-{step}"
         if writes and step is not None and not error:
@@ -161,7 +161,7 @@ def resume_folder(ckpt: Checkpointer, root: Path) -> tuple[int, Path] | None:
                     state = load_step(ckpt.search_dirs, ckpt.engine, step)
                 _rewrite(state, dest.parent, step)
             except Exception as e:
-                cause, error = e, f"rank {group.rank} on {host}: {_why(e)}"
+                cause, error = e, f"rank {group.rank} on {host}: {error_text(e)}"
         del state
         errors = [e for e in group.all_gather(error) if e]
     finally:

@@ -51,10 +51,12 @@ from .._env import scratch_dir
 from ..checkpointer import Checkpointer, SaveHandle
 from ..config import load_config
 from ..engine import Engine
-from ..errors import ConfigError
+from ..errors import ConfigError, ShardError
 from ..loopstate import rng_state, set_rng_state
+from ..ranks import open_group
 from ..store.manifest import MANIFEST
 from ..store.tiers import read_dirs
+from ._folder import error_text
 from ._steps import load_step, read_pointer, write_pointer
 
 __all__ = ["PreemptionCallback", "SlurmCkptIO", "load_from_checkpoint", "plugins"]
@@ -80,7 +82,8 @@ class SlurmCkptIO(CheckpointIO):
         self.async_save = async_save
         self.trusted = trusted
         self._pending: list[tuple[SaveHandle, Path]] = []
-        self._resume: tuple[str, Any] | None = None
+        self._resume: tuple[str, Any, int] | None = None
+        """What resume_path found: the path it returned, the state, and its step."""
         self._torch = TorchCheckpointIO()
 
     @property
@@ -102,9 +105,9 @@ class SlurmCkptIO(CheckpointIO):
         state = self.ckpt.load_latest(trusted=self.trusted)
         if state is None:
             return None
-        path = str(self.ckpt.loaded_path)
-        self._resume = (path, state)
-        log.info("resuming Lightning from step %s (%s)", self.ckpt.loaded_step, path)
+        path, step = str(self.ckpt.loaded_path), int(self.ckpt.loaded_step or 0)
+        self._resume = (path, state, step)
+        log.info("resuming Lightning from step %s (%s)", step, path)
         return path
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
@@ -146,6 +149,54 @@ class SlurmCkptIO(CheckpointIO):
         loaded: dict[str, Any] = load_step(self.ckpt.search_dirs, self.ckpt.engine, step, trusted=self.trusted,
                                            map_location=where)  # fmt: skip
         return loaded
+
+    def agree_resume(self) -> None:
+        """Make every rank resume from the same step. Call on every rank once the
+        process group is up and before ``fit`` restores (``PreemptionCallback.setup``
+        does); nothing to do without a process group.
+
+        Each rank's :meth:`resume_path` runs before ``fit`` starts
+        ``torch.distributed``, so each picks on its own, and a rank may find a
+        newer step than another (one on its node's scratch only). Ranks resumed
+        from different steps train different numbers of steps, and the first to
+        finish leaves the others waiting in a collective. They agree on the oldest
+        of the newest steps they found, as every rank has that one or older ones
+        unless retention removed it; a rank that found a newer one reads it
+        instead. Every rank raises :class:`ShardError` when one cannot read it, or
+        when one found no checkpoint while another found one.
+        """
+        group = open_group()
+        if group is None:
+            return
+        mine = self._resume[2] if self._resume is not None else None
+        cause: Exception | None = None
+        try:
+            seen = group.all_gather((mine, ", ".join(map(str, self.ckpt.search_dirs))))
+            found = [s for s, _ in seen]
+            none = [r for r, s in enumerate(found) if s is None]
+            if 0 < len(none) < len(found):  # the same on every rank, so every rank raises
+                some = next(r for r, s in enumerate(found) if s is not None)
+                raise ShardError(
+                    f"resuming Lightning: rank {none[0]} found no checkpoint in {seen[none[0]][1]}, where rank "
+                    f"{some} found step {found[some]} in {seen[some][1]}: every process must see the same run "
+                    "dir (SLURM_CKPT_DIR on storage that every node mounts)"
+                )
+            step = min(s for s in found if s is not None) if not none else None
+            error = ""
+            if self._resume is not None and step is not None and mine != step:
+                path, self._resume = self._resume[0], None  # one checkpoint in memory at a time
+                try:
+                    state = load_step(self.ckpt.search_dirs, self.ckpt.engine, step, trusted=self.trusted)
+                    self._resume = (path, state, step)
+                    log.info("resuming Lightning from step %d, the oldest newest of the ranks' (this one found %s)",
+                             step, mine)  # fmt: skip
+                except Exception as e:  # raised below on every rank, not only here
+                    cause, error = e, f"rank {group.rank}: {error_text(e)}"
+            errors = [e for e in group.all_gather(error) if e]
+        finally:
+            group.release()
+        if errors:
+            raise ShardError(f"resuming Lightning from checkpoint {step} failed: {'; '.join(errors)}") from cause
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer (or Lightning's own file); retention removes the data."""
@@ -303,7 +354,10 @@ class PreemptionCallback(Callback):
             )
         # Made now, before Lightning installs its signal handlers at the start of
         # fit: Lightning then chains SIGTERM to the Checkpointer's flag.
-        _ = self._io(trainer).ckpt
+        io = self._io(trainer)
+        _ = io.ckpt
+        if stage == "fit":  # after Lightning started torch.distributed, before it restores
+            io.agree_resume()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:  # fmt: skip

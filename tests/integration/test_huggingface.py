@@ -345,11 +345,11 @@ def test_accelerate_save_or_load_failing_on_one_process_fails_on_every_process(
 
 
 def test_an_error_told_to_the_other_processes_is_its_type_and_text_cut_at_1000_characters() -> None:
-    from slurm_ckpt.integrations._folder import _why
+    from slurm_ckpt.integrations._folder import error_text
 
-    assert _why(KeyboardInterrupt()) == "KeyboardInterrupt"
-    assert _why(ValueError("no")) == "ValueError: no"
-    long = _why(ValueError("x" * 5000))
+    assert error_text(KeyboardInterrupt()) == "KeyboardInterrupt"
+    assert error_text(ValueError("no")) == "ValueError: no"
+    long = error_text(ValueError("x" * 5000))
     assert len(long) == 1000 and long.startswith("ValueError: xx") and long.endswith("x\u2026")
 
 

@@ -23,7 +23,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from slurm_ckpt import CheckpointCorrupt, Checkpointer, ConfigError, NoCheckpoint
+from slurm_ckpt import CheckpointCorrupt, Checkpointer, ConfigError, NoCheckpoint, ShardError
 from slurm_ckpt.integrations._steps import Pointer, read_pointer
 from slurm_ckpt.integrations.lightning import PreemptionCallback, SlurmCkptIO, load_from_checkpoint
 
@@ -239,3 +239,83 @@ def test_load_from_checkpoint_finds_a_step_still_on_node_local_scratch(
     with pytest.raises(NoCheckpoint, match="scratch"):
         load_from_checkpoint(WithHparams, mc.best_model_path)
     io.ckpt.close()
+
+
+class _Started(Callback):
+    """The step training starts from, once the checkpoint is restored."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.step = trainer.global_step
+
+
+def _ddp_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """One rank of a Lightning DDP job (CPU, gloo) that resumes through resume_path
+    from the run dir ``args["runs"][rank]``: what this rank found, and how fit went."""
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # started by the launcher, as srun starts tasks
+    io = SlurmCkptIO(Checkpointer(args["runs"][rank], scratch=False, keep=10, distributed=False))
+    started = _Started()
+    trainer = _trainer(Path(args["out"]), io, [PreemptionCallback(), started], 20, accelerator="cpu",
+                       devices=world, strategy="ddp", enable_checkpointing=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = Tiny()
+    path = io.resume_path()
+    found = io.ckpt.loaded_step
+    error = ""
+    try:
+        trainer.fit(model, _loader(), ckpt_path=path)
+    except ShardError as e:
+        error = str(e)
+    io.ckpt.close()
+    return {"found": found, "started": started.step, "step": trainer.global_step, "error": error,
+            "weights": [p.detach().flatten().tolist() for p in model.parameters()]}  # fmt: skip
+
+
+def test_ddp_ranks_that_find_different_newest_steps_resume_from_the_same_one(tmp_path: Path) -> None:
+    """Each rank calls resume_path before fit, when there is no process group to agree
+    over, and may find another newest step (one still on its node's scratch, say). Ranks
+    resumed from different steps would train different numbers of steps, and the one
+    that ends first leaves the other waiting in a collective until the timeout."""
+    from tests.integration.dist_ranks import launch
+
+    run = tmp_path / "run"
+    io = SlurmCkptIO(Checkpointer(run, scratch=False, keep=10))
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
+    torch.manual_seed(0)
+    _trainer(tmp_path, io, [every], 15).fit(Tiny(), _loader())
+    io.ckpt.close()
+    assert _steps(run) == [5, 10, 15]
+    older = tmp_path / "older"  # the other rank's view: step 15 is not in it
+    shutil.copytree(run, older)
+    shutil.rmtree(older / "step-000000015")
+
+    def resume(runs: list[Path], name: str) -> list[dict[str, Any]]:
+        return launch(2, "tests.integration.test_lightning_io:_ddp_worker",  # type: ignore[no-any-return]
+                      {"runs": [str(r) for r in runs], "out": str(tmp_path / name)}, tmp_path / f"{name}-ranks",
+                      timeout=120)  # fmt: skip
+
+    got = resume([run, older], "newer-on-rank-0")
+    assert [g["found"] for g in got] == [15, 10]
+    # The oldest of the newest steps the ranks found: rank 0 reads step 10 instead of its 15.
+    assert [(g["started"], g["step"], g["error"]) for g in got] == [(10, 20, "")] * 2
+    assert got[0]["weights"] == got[1]["weights"]
+
+    empty = tmp_path / "empty"  # a rank that finds nothing (its run dir not on shared storage)
+    got = resume([older, empty], "none-on-rank-1")
+    assert [g["found"] for g in got] == [10, None]
+    assert all(g["started"] is None for g in got)
+    assert [g["error"] for g in got] == [
+        f"resuming Lightning: rank 1 found no checkpoint in {empty}, where rank 0 found step 10 in {older}: every "
+        "process must see the same run dir (SLURM_CKPT_DIR on storage that every node mounts)"] * 2  # fmt: skip
+
+    newest = tmp_path / "newest"  # retention kept step 15 alone: step 10 cannot be read there
+    shutil.copytree(run, newest)
+    for step in (5, 10):
+        shutil.rmtree(newest / f"step-{step:09d}")
+    got = resume([newest, older], "unreadable-on-rank-0")
+    assert [g["found"] for g in got] == [15, 10]
+    assert all(g["started"] is None for g in got)
+    assert all(g["error"].startswith("resuming Lightning from checkpoint 10 failed: rank 0: NoCheckpoint: "
+                                     "checkpoint step 10 is not in") for g in got), got  # fmt: skip
