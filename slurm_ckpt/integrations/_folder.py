@@ -25,7 +25,7 @@ from ..checkpointer import Checkpointer
 from ..errors import CheckpointCorrupt, ConfigError, ShardError, UnsupportedValue
 from ..placement import Local
 from ..ranks import open_group
-from ._steps import load_step
+from ._steps import load_step, oldest_newest
 
 __all__ = ["error_text", "folder_state", "one_writer", "resume_folder", "together", "write_folder"]
 
@@ -127,12 +127,13 @@ def resume_folder(ckpt: Checkpointer, root: Path) -> tuple[int, Path] | None:
     """The newest valid checkpoint of ``ckpt`` written out as ``root/<node>/checkpoint-N``:
     its step and that path, or None when there is none. Call on every process.
 
-    Under ``torch.distributed`` it is collective: rank 0 picks the checkpoint,
-    so every process resumes from the same step, and one process a node (the
-    lowest rank on it) reads and writes it, so a node of eight processes holds
-    one copy in memory and on disk, not eight. An error on any process is
-    raised on all of them. Without a process group each process writes its own
-    copy, under ``root/rank-R``.
+    Under ``torch.distributed`` it is collective. One process a node (the
+    lowest rank on it) reads the newest valid checkpoint it finds and writes it
+    out, so a node of eight processes holds one copy in memory and on disk, not
+    eight. Every process resumes from the oldest of the steps those found (a
+    node may find a newer one, still on its scratch; it reads the older one
+    instead), and an error on any process is raised on all of them. Without a
+    process group each process writes its own copy, under ``root/rank-R``.
     """
     group = open_group()
     if group is None:
@@ -142,33 +143,42 @@ def resume_folder(ckpt: Checkpointer, root: Path) -> tuple[int, Path] | None:
         return ckpt.loaded_step, _rewrite(whole, root / f"rank-{ckpt.rank}", ckpt.loaded_step)
     try:
         host = socket.gethostname()
-        hosts = group.all_gather(host)
-        writes = hosts.index(host) == group.rank
+        who = f"rank {group.rank} on {host}"
+        writes = group.all_gather(host).index(host) == group.rank
         state: Any = None
+        mine: int | None = None
         cause: Exception | None = None  # this process's own error, chained to the one raised
-        picked: tuple[int | None, str] = (None, "")
-        if group.rank == 0:
+        error = ""
+        if writes:
             try:
                 state = ckpt.load_latest()
-                picked = (ckpt.loaded_step if state is not None else None, "")
+                mine = ckpt.loaded_step if state is not None else None
             except Exception as e:  # raised below on every process, not only here
-                cause, picked = e, (None, f"rank 0: {error_text(e)}")
-        step, error = group.broadcast(picked)
+                cause, error = e, f"{who}: {error_text(e)}"
+        seen = group.all_gather((writes, who, mine, error, ", ".join(map(str, ckpt.search_dirs))))
+        what = "finding the checkpoint to resume from"
+        errors = [e for _, _, _, e, _ in seen if e]
+        step, problem = None, ""
+        if not errors:  # the same on every process: all go on, or none
+            step, problem = oldest_newest([(w, s, where) for writer, w, s, _, where in seen if writer])
+            errors = [problem] if problem else []
         dest = root / f"node-{host}" / f"checkpoint-{step}"
-        if writes and step is not None and not error:
-            try:
-                if state is None:
-                    state = load_step(ckpt.search_dirs, ckpt.engine, step)
-                _rewrite(state, dest.parent, step)
-            except Exception as e:
-                cause, error = e, f"rank {group.rank} on {host}: {error_text(e)}"
-        del state
-        errors = [e for e in group.all_gather(error) if e]
+        if not errors:
+            what = f"resuming from checkpoint {step}"
+            if writes and step is not None:
+                try:
+                    if mine != step:
+                        state = None  # one checkpoint in memory at a time
+                        state = load_step(ckpt.search_dirs, ckpt.engine, step)
+                    _rewrite(state, dest.parent, step)
+                except Exception as e:
+                    cause, error = e, f"{who}: {error_text(e)}"
+            del state
+            errors = [e for e in group.all_gather(error) if e]
     finally:
         group.release()
     if errors:
-        what = "finding the checkpoint to resume from" if step is None else f"resuming from checkpoint {step}"
-        raise ShardError(f"{what} failed: {'; '.join(dict.fromkeys(errors))}") from cause
+        raise ShardError(f"{what} failed: {'; '.join(errors)}") from cause
     return None if step is None else (step, dest)
 
 

@@ -19,7 +19,7 @@ from ..errors import CheckpointCorrupt, NoCheckpoint
 from ..store import Skipped, iter_valid
 from ..store.fsutil import fsync_dir, write_file_durably
 
-__all__ = ["Pointer", "load_step", "read_pointer", "write_pointer"]
+__all__ = ["Pointer", "load_step", "oldest_newest", "read_pointer", "write_pointer"]
 
 _FORMAT = "slurm-ckpt-pointer"
 # A pointer is a few dozen bytes; a real checkpoint file under the same name is
@@ -50,6 +50,24 @@ def load_step(dirs: list[Path], engine: Engine, step: int, *, trusted: bool = Fa
         "Retention keeps the newest storage.keep checkpoints (Checkpointer(keep=N)): raise it to "
         "keep older ones, or resume from the newest valid checkpoint (load_latest). A step not yet "
         "copied to the run dir is read from this node's scratch only (SLURM_CKPT_SCRATCH)"
+    )
+
+
+def oldest_newest(found: list[tuple[str, int | None, str]]) -> tuple[int | None, str]:
+    """The step that processes resume from together, from what each of them found
+    (who it is, the newest valid step it found or None, where it looked): the
+    oldest of those steps, which the others have too or can read among older
+    ones unless retention removed it. Also why they cannot agree, or "": one
+    found no checkpoint where another found one."""
+    none = [f for f in found if f[1] is None]
+    if not none:
+        return min(s for _, s, _ in found if s is not None), ""
+    some = next((f for f in found if f[1] is not None), None)
+    if some is None:
+        return None, ""
+    return None, (
+        f"{none[0][0]} found no checkpoint in {none[0][2]}, where {some[0]} found step {some[1]} in "
+        f"{some[2]}: every process must see the same run dir (SLURM_CKPT_DIR on storage that every node mounts)"
     )
 
 

@@ -23,8 +23,8 @@ DataLoaders and ``register_for_checkpointing`` objects) into a staging dir;
 its files are committed, byte for byte, as one checkpoint of the
 Checkpointer (commit protocol, checksums, tiers), and the staging dir is
 removed. ``load_state`` writes the newest checkpoint that verifies back out and
-hands it to ``accelerator.load_state``: the main process picks it, and one
-process a node writes it out for the node's processes.
+hands it to ``accelerator.load_state``: one process a node reads it and writes
+it out for the node's processes, and all resume from the same step.
 
 Staging: ``staging=`` if given, else ``$SLURM_CKPT_SCRATCH`` (the job's
 node-local scratch), else the system temp dir. With processes on several
@@ -93,9 +93,9 @@ def load_state(accelerator: Accelerator, ckpt: Checkpointer, *,
     """``accelerator.load_state`` from the newest valid checkpoint of ``ckpt``; its step, or None.
 
     None (nothing restored) when there is no checkpoint yet. Call on every
-    process: the main process picks the checkpoint, so all resume from the
-    same step, and one process a node writes it out into the staging dir for
-    the node's processes to load. ``load_kwargs`` go to ``accelerator.load_state``.
+    process: all resume from the same step, and one process a node reads it
+    and writes it out into the staging dir for the node's processes to load
+    (see ``_folder.resume_folder``). ``load_kwargs`` go to ``accelerator.load_state``.
     """
     one_writer(ckpt, "load_state")
     root = _staging(staging, "load")

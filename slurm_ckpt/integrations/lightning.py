@@ -57,7 +57,7 @@ from ..ranks import open_group
 from ..store.manifest import MANIFEST
 from ..store.tiers import read_dirs
 from ._folder import error_text
-from ._steps import load_step, read_pointer, write_pointer
+from ._steps import load_step, oldest_newest, read_pointer, write_pointer
 
 __all__ = ["PreemptionCallback", "SlurmCkptIO", "load_from_checkpoint", "plugins"]
 
@@ -172,23 +172,16 @@ class SlurmCkptIO(CheckpointIO):
         cause: Exception | None = None
         try:
             seen = group.all_gather((mine, ", ".join(map(str, self.ckpt.search_dirs))))
-            found = [s for s, _ in seen]
-            none = [r for r, s in enumerate(found) if s is None]
-            if 0 < len(none) < len(found):  # the same on every rank, so every rank raises
-                some = next(r for r, s in enumerate(found) if s is not None)
-                raise ShardError(
-                    f"resuming Lightning: rank {none[0]} found no checkpoint in {seen[none[0]][1]}, where rank "
-                    f"{some} found step {found[some]} in {seen[some][1]}: every process must see the same run "
-                    "dir (SLURM_CKPT_DIR on storage that every node mounts)"
-                )
-            step = min(s for s in found if s is not None) if not none else None
+            step, problem = oldest_newest([(f"rank {r}", s, where) for r, (s, where) in enumerate(seen)])
+            if problem:  # the same on every rank, so every rank raises
+                raise ShardError(f"resuming Lightning: {problem}")
             error = ""
             if self._resume is not None and step is not None and mine != step:
                 path, self._resume = self._resume[0], None  # one checkpoint in memory at a time
                 try:
                     state = load_step(self.ckpt.search_dirs, self.ckpt.engine, step, trusted=self.trusted)
                     self._resume = (path, state, step)
-                    log.info("resuming Lightning from step %d, the oldest newest of the ranks' (this one found %s)",
+                    log.info("resuming Lightning from step %d, the oldest of the ranks' newest (this rank found %s)",
                              step, mine)  # fmt: skip
                 except Exception as e:  # raised below on every rank, not only here
                     cause, error = e, f"rank {group.rank}: {error_text(e)}"

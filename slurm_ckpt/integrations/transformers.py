@@ -115,8 +115,9 @@ class SlurmCkptCallback(TrainerCallback):
         that path is returned; None when there is nothing
         to resume from, which makes ``train`` start fresh. Call it on every
         process, after the ``Trainer`` is made (which starts
-        ``torch.distributed``): rank 0 picks the checkpoint, and one process a
-        node writes it out, for all the node's processes to read.
+        ``torch.distributed``): all resume from the same step, and one process a
+        node writes it out, for all the node's processes to read (see
+        ``_folder.resume_folder``).
         """
         one_writer(self.ckpt, "SlurmCkptCallback")
         found = resume_folder(self.ckpt, Path(output_dir) / RESUME_DIR)

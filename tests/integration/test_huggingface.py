@@ -7,6 +7,7 @@ they read themselves, so it runs in this process.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -245,18 +246,66 @@ def test_resume_path_of_several_processes_is_one_step_and_one_copy_a_node(tmp_pa
 
     resume = out / ".slurm-ckpt-resume"
     assert [Path(g["path"]) for g in got] == [resume / f"node-{h}" / "checkpoint-10" for h in hosts]
-    # The lowest rank of each host writes; rank 0 alone picks the step, by reading it.
+    # The lowest rank of each host reads the newest valid step, and writes it out.
     assert [len(g["writes"]) for g in got] == [1, 0, 1]
-    assert [g["loaded"] for g in got] == [10, None, None]
+    assert [g["loaded"] for g in got] == [10, None, 10]
     assert sorted(p.relative_to(resume).as_posix() for p in resume.glob("*/checkpoint-*")) == [
         "node-a/checkpoint-10", "node-b/checkpoint-10"]  # fmt: skip
     assert all(g["files"] == {"model.safetensors": (bytes([10]) * 3000).hex(),
                               "rng_state_1.pth": b"rank 1 at 10".hex()} for g in got)  # fmt: skip
-    # An error on rank 0 is raised on every rank, and chained to the error itself where it happened.
-    assert all(g["failed"].startswith("finding the checkpoint to resume from failed: rank 0: UnsafeLoad")
-               for g in got), [g["failed"] for g in got]  # fmt: skip
-    assert [g["failed"].rsplit(" | ", 1)[1] for g in got] == ["UnsafeLoad", "NoneType", "NoneType"]
+    # An error where a step is read is raised on every rank, and chained to the error itself there.
+    assert all(g["failed"].startswith("finding the checkpoint to resume from failed: rank 0 on a: UnsafeLoad: ")
+               and "; rank 2 on b: UnsafeLoad: " in g["failed"] for g in got), [g["failed"] for g in got]  # fmt: skip
+    assert [g["failed"].rsplit(" | ", 1)[1] for g in got] == ["UnsafeLoad", "NoneType", "UnsafeLoad"]
     assert all("Checkpointer(distributed=False)" in g["refused"] for g in got)
+
+
+def _agree_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """One rank on the host ``args["hosts"][rank]`` that finds the run dir ``args["runs"][rank]``
+    (a node's scratch may hold a step the others do not): where resume_path put its copy."""
+    import socket
+
+    socket.gethostname = lambda: args["hosts"][rank]  # type: ignore[assignment]
+    cb = SlurmCkptCallback(Checkpointer(args["runs"][rank], scratch=False, distributed=False))
+    try:
+        path = cb.resume_path(args["out"])
+    except ShardError as e:
+        return {"error": str(e)}
+    files = {p.relative_to(path).as_posix(): p.read_bytes().hex() for p in Path(path).rglob("*") if p.is_file()}
+    return {"path": path, "files": files}
+
+
+def test_resume_path_of_nodes_that_find_different_newest_steps_is_the_oldest_of_them(tmp_path: Path) -> None:
+    """A node may find a step the others do not (one still on its scratch); resuming the
+    ranks of each node from the step it found would train them from different states."""
+    from tests.integration.dist_ranks import launch
+
+    folder, run, older = tmp_path / "checkpoint", tmp_path / "run", tmp_path / "older"
+    folder.mkdir()
+    for step in (5, 10):
+        with Checkpointer(run, scratch=False) as ck:
+            (folder / "model.safetensors").write_bytes(bytes([step]) * 3000)
+            ck.save(folder_state(folder), step)
+        if step == 5:
+            shutil.copytree(run, older)  # node b's view: step 10 is not in it
+    hosts, out = ["a", "a", "b"], tmp_path / "out"
+
+    def resume(runs: list[Path], name: str) -> list[dict[str, Any]]:
+        return launch(3, "tests.integration.test_huggingface:_agree_worker",  # type: ignore[no-any-return]
+                      {"runs": [str(r) for r in runs], "hosts": hosts, "out": str(out / name)},
+                      tmp_path / f"{name}-ranks")  # fmt: skip
+
+    got = resume([run, run, older], "older-on-b")
+    assert [Path(g["path"]) for g in got] == [
+        out / "older-on-b" / ".slurm-ckpt-resume" / f"node-{h}" / "checkpoint-5" for h in hosts]  # fmt: skip
+    assert all(g["files"] == {"model.safetensors": (bytes([5]) * 3000).hex()} for g in got)
+
+    empty = tmp_path / "empty"
+    got = resume([run, run, empty], "none-on-b")
+    assert [g["error"] for g in got] == [
+        f"finding the checkpoint to resume from failed: rank 2 on b found no checkpoint in {empty}, where rank 0 "
+        f"on a found step 10 in {run}: every process must see the same run dir (SLURM_CKPT_DIR on storage that "
+        "every node mounts)"] * 3  # fmt: skip
 
 
 class _Refusing:
