@@ -25,7 +25,7 @@ from ..checkpointer import Checkpointer
 from ..errors import CheckpointCorrupt, ConfigError, ShardError, UnsupportedValue
 from ..placement import Local
 from ..ranks import open_group
-from ._steps import load_step, oldest_newest
+from ._steps import oldest_newest, resume_step
 
 __all__ = ["error_text", "folder_state", "one_writer", "resume_folder", "together", "write_folder"]
 
@@ -114,12 +114,19 @@ def together(what: str, flagged: Flagged, told: Told) -> Iterator[None]:
     failed = flagged(False)
     if failed:
         texts = told("")
-        raise ShardError(f"{what} failed: {'; '.join(f'rank {r}: {texts[r]}' for r in failed)}")
+        ranks: dict[str, list[int]] = {}  # a full disk fails every process alike: named once
+        for r in failed:
+            ranks.setdefault(texts[r], []).append(r)
+        raise ShardError(f"{what} failed: " + "; ".join(
+            f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {text}" for text, rs in ranks.items()))
 
 
 def error_text(e: BaseException) -> str:
     """An error for another process's message: its type and text, cut at 1000 characters."""
-    text = f"{type(e).__name__}: {e}".removesuffix(": ")
+    try:
+        text = f"{type(e).__name__}: {e}".removesuffix(": ")
+    except Exception:  # a __str__ that fails must not keep this process from the others' gather
+        text = type(e).__name__
     return text if len(text) <= 1000 else text[:999] + "\u2026"
 
 
@@ -147,13 +154,13 @@ def resume_folder(ckpt: Checkpointer, root: Path) -> tuple[int, Path] | None:
         writes = group.all_gather(host).index(host) == group.rank
         state: Any = None
         mine: int | None = None
-        cause: Exception | None = None  # this process's own error, chained to the one raised
+        cause: BaseException | None = None  # this process's own error, chained to the one raised
         error = ""
         if writes:
             try:
                 state = ckpt.load_latest()
                 mine = ckpt.loaded_step if state is not None else None
-            except Exception as e:  # raised below on every process, not only here
+            except BaseException as e:  # raised below on every process, not only here (Ctrl-C too)
                 cause, error = e, f"{who}: {error_text(e)}"
         seen = group.all_gather((writes, who, mine, error, ", ".join(map(str, ckpt.search_dirs))))
         what = "finding the checkpoint to resume from"
@@ -169,14 +176,16 @@ def resume_folder(ckpt: Checkpointer, root: Path) -> tuple[int, Path] | None:
                 try:
                     if mine != step:
                         state = None  # one checkpoint in memory at a time
-                        state = load_step(ckpt.search_dirs, ckpt.engine, step)
+                        state = resume_step(ckpt, step, mine)
                     _rewrite(state, dest.parent, step)
-                except Exception as e:
+                except BaseException as e:
                     cause, error = e, f"{who}: {error_text(e)}"
             del state
             errors = [e for e in group.all_gather(error) if e]
     finally:
         group.release()
+    if cause is not None and not isinstance(cause, Exception):
+        raise cause  # Ctrl-C stays one here, now that the others know
     if errors:
         raise ShardError(f"{what} failed: {'; '.join(errors)}") from cause
     return None if step is None else (step, dest)

@@ -9,17 +9,24 @@ the step, and :func:`load_step` reads that step.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engine import Engine
 from ..errors import CheckpointCorrupt, NoCheckpoint
 from ..store import Skipped, iter_valid
 from ..store.fsutil import fsync_dir, write_file_durably
+from ..store.verify import Candidate
 
-__all__ = ["Pointer", "load_step", "oldest_newest", "read_pointer", "write_pointer"]
+if TYPE_CHECKING:
+    from ..checkpointer import Checkpointer
+
+__all__ = ["Pointer", "load_step", "oldest_newest", "read_pointer", "resume_step", "write_pointer"]
+
+log = logging.getLogger("slurm_ckpt")
 
 _FORMAT = "slurm-ckpt-pointer"
 # A pointer is a few dozen bytes; a real checkpoint file under the same name is
@@ -38,10 +45,27 @@ class Pointer:
 def load_step(dirs: list[Path], engine: Engine, step: int, *, trusted: bool = False,
               map_location: Any = None) -> Any:  # fmt: skip
     """The state of checkpoint ``step`` in the run dirs ``dirs`` (fastest tier first)."""
+    found = _find_step(dirs, step)
+    return engine.load(found.path, found.manifest, trusted=trusted, map_location=map_location)
+
+
+def resume_step(ckpt: Checkpointer, step: int, newest: int | None, *, trusted: bool = False) -> Any:
+    """Checkpoint ``step`` of ``ckpt``, read to resume from where ``newest`` was found but
+    the processes agreed on ``step``: ``ckpt.loaded_step`` and ``loaded_path`` then name it,
+    as after ``load_latest``."""
+    log.warning("resuming from step %d, the oldest of the newest steps the processes found; this one found "
+                "step %s, which stays where it is", step, newest)  # fmt: skip
+    found = _find_step(ckpt.search_dirs, step)
+    state = ckpt.engine.load(found.path, found.manifest, trusted=trusted)
+    ckpt.loaded_step, ckpt.loaded_path = step, found.path
+    return state
+
+
+def _find_step(dirs: list[Path], step: int) -> Candidate:
     skipped: list[Skipped] = []
     for cand in iter_valid(dirs, full=False, skipped=skipped):
         if cand.step == step:
-            return engine.load(cand.path, cand.manifest, trusted=trusted, map_location=map_location)
+            return cand
         if cand.step < step:
             break
     why = "".join(f"; {s.path} was skipped: {s.reason}" for s in skipped)

@@ -74,7 +74,7 @@ def save_state(accelerator: Accelerator, ckpt: Checkpointer, step: int, *,
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    collectives = functools.partial(_flagged, accelerator), _told
+    collectives = functools.partial(_flagged, accelerator), functools.partial(_told, accelerator)
     path = None
     try:
         with together(f"writing checkpoint {step}", *collectives):
@@ -104,7 +104,8 @@ def load_state(accelerator: Accelerator, ckpt: Checkpointer, *,
         return None
     step, folder = found
     try:
-        with together(f"loading checkpoint {step}", functools.partial(_flagged, accelerator), _told):
+        with together(f"loading checkpoint {step}", functools.partial(_flagged, accelerator),
+                      functools.partial(_told, accelerator)):  # fmt: skip
             accelerator.load_state(str(folder), **load_kwargs)  # then every process has read the node's copy
     finally:
         # After an error too: a copy of the whole checkpoint must not stay on the
@@ -134,8 +135,11 @@ def _flagged(accelerator: Accelerator, flag: bool) -> list[int]:
     return [rank for rank, f in enumerate(flags.tolist()) if f]
 
 
-def _told(text: str) -> list[str]:
+def _told(accelerator: Accelerator, text: str) -> list[str]:
     """Every process's ``text``, in rank order (an object gather, run only once a step has failed)."""
     from accelerate.utils import gather_object
 
-    return list(gather_object([text]))
+    try:
+        return list(gather_object([text]))
+    except NotImplementedError:  # XLA has no object gather: each error stays in its process's log
+        return ["see that process's log"] * accelerator.num_processes

@@ -53,11 +53,10 @@ from ..config import load_config
 from ..engine import Engine
 from ..errors import ConfigError, ShardError
 from ..loopstate import rng_state, set_rng_state
-from ..ranks import open_group
 from ..store.manifest import MANIFEST
 from ..store.tiers import read_dirs
 from ._folder import error_text
-from ._steps import load_step, oldest_newest, read_pointer, write_pointer
+from ._steps import load_step, oldest_newest, read_pointer, resume_step, write_pointer
 
 __all__ = ["PreemptionCallback", "SlurmCkptIO", "load_from_checkpoint", "plugins"]
 
@@ -103,9 +102,10 @@ class SlurmCkptIO(CheckpointIO):
         requeued one.
         """
         state = self.ckpt.load_latest(trusted=self.trusted)
-        if state is None:
+        step = self.ckpt.loaded_step
+        if state is None or step is None:
             return None
-        path, step = str(self.ckpt.loaded_path), int(self.ckpt.loaded_step or 0)
+        path = str(self.ckpt.loaded_path)
         self._resume = (path, state, step)
         log.info("resuming Lightning from step %s (%s)", step, path)
         return path
@@ -165,29 +165,26 @@ class SlurmCkptIO(CheckpointIO):
         instead. Every rank raises :class:`ShardError` when one cannot read it, or
         when one found no checkpoint while another found one.
         """
-        group = open_group()
-        if group is None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return
         mine = self._resume[2] if self._resume is not None else None
-        cause: Exception | None = None
-        try:
-            seen = group.all_gather((mine, ", ".join(map(str, self.ckpt.search_dirs))))
-            step, problem = oldest_newest([(f"rank {r}", s, where) for r, (s, where) in enumerate(seen)])
-            if problem:  # the same on every rank, so every rank raises
-                raise ShardError(f"resuming Lightning: {problem}")
-            error = ""
-            if self._resume is not None and step is not None and mine != step:
-                path, self._resume = self._resume[0], None  # one checkpoint in memory at a time
-                try:
-                    state = load_step(self.ckpt.search_dirs, self.ckpt.engine, step, trusted=self.trusted)
-                    self._resume = (path, state, step)
-                    log.info("resuming Lightning from step %d, the oldest of the ranks' newest (this rank found %s)",
-                             step, mine)  # fmt: skip
-                except Exception as e:  # raised below on every rank, not only here
-                    cause, error = e, f"rank {group.rank}: {error_text(e)}"
-            errors = [e for e in group.all_gather(error) if e]
-        finally:
-            group.release()
+        seen = _all_gather((mine, ", ".join(map(str, self.ckpt.search_dirs))))
+        step, problem = oldest_newest([(f"rank {r}", s, where) for r, (s, where) in enumerate(seen)])
+        if problem:  # the same on every rank, so every rank raises
+            raise ShardError(f"resuming Lightning: {problem}")
+        cause: BaseException | None = None
+        error = ""
+        if self._resume is not None and step is not None and mine != step:
+            path, self._resume = self._resume[0], None  # one checkpoint in memory at a time
+            try:
+                self._resume = (path, resume_step(self.ckpt, step, mine, trusted=self.trusted), step)
+            except BaseException as e:  # raised below on every rank, not only here (Ctrl-C too)
+                cause, error = e, f"rank {dist.get_rank()}: {error_text(e)}"
+        errors = [e for e in _all_gather(error) if e]
+        if cause is not None and not isinstance(cause, Exception):
+            raise cause  # Ctrl-C stays one here, now that the others know
         if errors:
             raise ShardError(f"resuming Lightning from checkpoint {step} failed: {'; '.join(errors)}") from cause
 
@@ -209,6 +206,16 @@ class SlurmCkptIO(CheckpointIO):
         for handle, path in pending:
             handle.wait()
             write_pointer(path, handle.step, self.ckpt.dir)
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """``obj`` of every rank, over the default process group: Lightning's, and with NCCL
+    on the device Lightning set for this rank."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _step_of_dir(path: Path) -> int | None:
@@ -349,7 +356,7 @@ class PreemptionCallback(Callback):
         # fit: Lightning then chains SIGTERM to the Checkpointer's flag.
         io = self._io(trainer)
         _ = io.ckpt
-        if stage == "fit":  # after Lightning started torch.distributed, before it restores
+        if stage == "fit" and trainer.world_size > 1:  # Lightning's group is up; it restores after this
             io.agree_resume()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,

@@ -272,7 +272,7 @@ def _agree_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]
     except ShardError as e:
         return {"error": str(e)}
     files = {p.relative_to(path).as_posix(): p.read_bytes().hex() for p in Path(path).rglob("*") if p.is_file()}
-    return {"path": path, "files": files}
+    return {"path": path, "files": files, "loaded": cb.ckpt.loaded_step}
 
 
 def test_resume_path_of_nodes_that_find_different_newest_steps_is_the_oldest_of_them(tmp_path: Path) -> None:
@@ -299,6 +299,7 @@ def test_resume_path_of_nodes_that_find_different_newest_steps_is_the_oldest_of_
     assert [Path(g["path"]) for g in got] == [
         out / "older-on-b" / ".slurm-ckpt-resume" / f"node-{h}" / "checkpoint-5" for h in hosts]  # fmt: skip
     assert all(g["files"] == {"model.safetensors": (bytes([5]) * 3000).hex()} for g in got)
+    assert [g["loaded"] for g in got] == [5, None, 5]  # node a's reader read step 5, not its 10
 
     empty = tmp_path / "empty"
     got = resume([run, run, empty], "none-on-b")
@@ -398,8 +399,29 @@ def test_an_error_told_to_the_other_processes_is_its_type_and_text_cut_at_1000_c
 
     assert error_text(KeyboardInterrupt()) == "KeyboardInterrupt"
     assert error_text(ValueError("no")) == "ValueError: no"
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no text")
+
+    assert error_text(Unprintable()) == "Unprintable"  # and this process still joins the others' gather
     long = error_text(ValueError("x" * 5000))
     assert len(long) == 1000 and long.startswith("ValueError: xx") and long.endswith("x\u2026")
+
+
+def test_ranks_that_failed_alike_are_named_once_with_their_error() -> None:
+    """What rank 0 raises when ranks 1 to 3 failed a step: the texts are gathered from
+    every process (here given as the gathers would return them)."""
+    from slurm_ckpt.integrations._folder import together
+
+    def run(texts: list[str]) -> str:
+        with pytest.raises(ShardError) as e, together("writing checkpoint 7", lambda flag: [1, 2, 3],
+                                                      lambda text: texts):  # fmt: skip
+            pass
+        return str(e.value)
+
+    assert run(["", "NoSpace: full", "NoSpace: full", "OSError: gone"]) == (
+        "writing checkpoint 7 failed: ranks 1, 2: NoSpace: full; rank 3: OSError: gone")
 
 
 def _trainer_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:

@@ -269,7 +269,8 @@ def _ddp_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     except ShardError as e:
         error = str(e)
     io.ckpt.close()
-    return {"found": found, "started": started.step, "step": trainer.global_step, "error": error,
+    return {"found": found, "loaded": io.ckpt.loaded_step, "started": started.step, "step": trainer.global_step,
+            "error": error,
             "weights": [p.detach().flatten().tolist() for p in model.parameters()]}  # fmt: skip
 
 
@@ -301,6 +302,7 @@ def test_ddp_ranks_that_find_different_newest_steps_resume_from_the_same_one(tmp
     # The oldest of the newest steps the ranks found: rank 0 reads step 10 instead of its 15.
     assert [(g["started"], g["step"], g["error"]) for g in got] == [(10, 20, "")] * 2
     assert got[0]["weights"] == got[1]["weights"]
+    assert [g["loaded"] for g in got] == [10, 10]  # what the Checkpointer says it resumed from
 
     empty = tmp_path / "empty"  # a rank that finds nothing (its run dir not on shared storage)
     got = resume([older, empty], "none-on-rank-1")
