@@ -267,10 +267,15 @@ def _agree_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]
 
     socket.gethostname = lambda: args["hosts"][rank]  # type: ignore[assignment]
     cb = SlurmCkptCallback(Checkpointer(args["runs"][rank], scratch=False, distributed=False))
+    if rank == args.get("interrupted"):
+        def interrupt(**kwargs: Any) -> None:
+            raise KeyboardInterrupt
+
+        cb.ckpt.load_latest = interrupt  # type: ignore[method-assign]  # Ctrl-C while this node reads
     try:
         path = cb.resume_path(args["out"])
-    except ShardError as e:
-        return {"error": str(e)}
+    except (ShardError, KeyboardInterrupt) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
     files = {p.relative_to(path).as_posix(): p.read_bytes().hex() for p in Path(path).rglob("*") if p.is_file()}
     return {"path": path, "files": files, "loaded": cb.ckpt.loaded_step}
 
@@ -304,9 +309,17 @@ def test_resume_path_of_nodes_that_find_different_newest_steps_is_the_oldest_of_
     empty = tmp_path / "empty"
     got = resume([run, run, empty], "none-on-b")
     assert [g["error"] for g in got] == [
-        f"finding the checkpoint to resume from failed: rank 2 on b found no checkpoint in {empty}, where rank 0 "
-        f"on a found step 10 in {run}: every process must see the same run dir (SLURM_CKPT_DIR on storage that "
-        "every node mounts)"] * 3  # fmt: skip
+        f"ShardError: finding the checkpoint to resume from failed: rank 2 on b found no checkpoint in {empty}, "
+        f"where rank 0 on a found step 10 in {run}: every process must see the same run dir (SLURM_CKPT_DIR on "
+        "storage that every node mounts)"] * 3  # fmt: skip
+
+    # Ctrl-C on one node's reader: the others are told, and it stays a KeyboardInterrupt there.
+    got = launch(3, "tests.integration.test_huggingface:_agree_worker",
+                 {"runs": [str(run)] * 3, "hosts": hosts, "out": str(out / "ctrl-c"), "interrupted": 2},
+                 tmp_path / "ctrl-c-ranks", timeout=120)  # fmt: skip
+    assert [g["error"] for g in got] == [
+        "ShardError: finding the checkpoint to resume from failed: rank 2 on b: KeyboardInterrupt"] * 2 + [
+        "KeyboardInterrupt: "]  # fmt: skip
 
 
 class _Refusing:
