@@ -27,7 +27,7 @@ from ..placement import Local
 from ..ranks import open_group
 from ._steps import oldest_newest, resume_step
 
-__all__ = ["error_text", "folder_state", "one_writer", "resume_folder", "together", "write_folder"]
+__all__ = ["error_text", "folder_state", "gather_objects", "one_writer", "resume_folder", "together", "write_folder"]
 
 _FORMAT = "slurm-ckpt-folder"
 
@@ -119,6 +119,19 @@ def together(what: str, flagged: Flagged, told: Told) -> Iterator[None]:
             ranks.setdefault(texts[r], []).append(r)
         raise ShardError(f"{what} failed: " + "; ".join(
             f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {text}" for text, rs in ranks.items()))
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """``obj`` of every process, in rank order, over the default process group (the
+    framework's; with NCCL, on the CUDA device it set for this process), or ``[obj]``
+    without one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def error_text(e: BaseException) -> str:

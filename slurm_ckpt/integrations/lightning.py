@@ -55,7 +55,7 @@ from ..errors import ConfigError, ShardError
 from ..loopstate import rng_state, set_rng_state
 from ..store.manifest import MANIFEST
 from ..store.tiers import read_dirs
-from ._folder import error_text
+from ._folder import error_text, gather_objects
 from ._steps import load_step, oldest_newest, read_pointer, resume_step, write_pointer
 
 __all__ = ["PreemptionCallback", "SlurmCkptIO", "load_from_checkpoint", "plugins"]
@@ -170,7 +170,7 @@ class SlurmCkptIO(CheckpointIO):
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return
         mine = self._resume[2] if self._resume is not None else None
-        seen = _all_gather((mine, ", ".join(map(str, self.ckpt.search_dirs))))
+        seen = gather_objects((mine, ", ".join(map(str, self.ckpt.search_dirs))))
         step, problem = oldest_newest([(f"rank {r}", s, where) for r, (s, where) in enumerate(seen)])
         if problem:  # the same on every rank, so every rank raises
             raise ShardError(f"resuming Lightning: {problem}")
@@ -182,7 +182,7 @@ class SlurmCkptIO(CheckpointIO):
                 self._resume = (path, resume_step(self.ckpt, step, mine, trusted=self.trusted), step)
             except BaseException as e:  # raised below on every rank, not only here (Ctrl-C too)
                 cause, error = e, f"rank {dist.get_rank()}: {error_text(e)}"
-        errors = [e for e in _all_gather(error) if e]
+        errors = [e for e in gather_objects(error) if e]
         if cause is not None and not isinstance(cause, Exception):
             raise cause  # Ctrl-C stays one here, now that the others know
         if errors:
@@ -206,16 +206,6 @@ class SlurmCkptIO(CheckpointIO):
         for handle, path in pending:
             handle.wait()
             write_pointer(path, handle.step, self.ckpt.dir)
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    """``obj`` of every rank, over the default process group: Lightning's, and with NCCL
-    on the device Lightning set for this rank."""
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def _step_of_dir(path: Path) -> int | None:

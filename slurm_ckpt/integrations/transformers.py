@@ -39,7 +39,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..checkpointer import Checkpointer
-from ._folder import folder_state, one_writer, resume_folder, together
+from ._folder import folder_state, gather_objects, one_writer, resume_folder, together
 
 __all__ = ["SlurmCkptCallback"]
 
@@ -65,17 +65,6 @@ def _flagged(flag: bool, device: Any) -> list[int]:
     flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(_world())]
     dist.all_gather(flags, torch.tensor([int(flag)], device=device))
     return [rank for rank, f in enumerate(torch.cat(flags).tolist()) if f]
-
-
-def _told(text: str) -> list[str]:
-    """Every rank's ``text``, in rank order (an object gather, run only once a step has failed)."""
-    import torch.distributed as dist
-
-    if _world() == 1:
-        return [text]
-    texts: list[str] = [""] * _world()
-    dist.all_gather_object(texts, text)
-    return texts
 
 
 def _barrier() -> None:
@@ -144,7 +133,7 @@ class SlurmCkptCallback(TrainerCallback):
         one_writer(self.ckpt, "SlurmCkptCallback")
         folder = Path(args.output_dir or "trainer_output") / f"checkpoint-{state.global_step}"
         _barrier()  # every process has written its part (its RNG file)
-        collectives = functools.partial(_flagged, device=args.device), _told
+        collectives = functools.partial(_flagged, device=args.device), gather_objects
         with together(f"committing checkpoint {state.global_step}", *collectives):
             if state.is_world_process_zero:
                 self.ckpt.save(folder_state(folder), step=state.global_step)
