@@ -90,12 +90,16 @@ __all__ = [
     "torch_dtype_name",
 ]
 
-# safetensors' dtype names; F8 types exist in torch >= 2.1.
+# safetensors' dtype names. The float8 ones: FP8 training's on NVIDIA GPUs (torch
+# >= 2.1), on AMD's (FNUZ, torch >= 2.2), and the MX formats' scales (E8M0, torch
+# >= 2.7). torch's float4_e2m1fn_x2 has none: safetensors' F4 counts 4-bit elements,
+# torch's dtype pairs of them, so a file under that name would misstate its shape.
 _DTYPES = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
     "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64",
     "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
     "C64": "complex64", "C128": "complex128",
 }  # fmt: skip
 _TORCH_TO_ST = {v: k for k, v in _DTYPES.items()}
@@ -104,10 +108,15 @@ _MAX_JSON_INT_BITS = 10_000
 
 
 def torch_dtype(name: str) -> Any:
-    """The torch dtype for a safetensors dtype name."""
+    """The torch dtype for a safetensors dtype name (``KeyError`` for one not known here,
+    ``ValueError`` for one this torch lacks)."""
     import torch
 
-    return getattr(torch, _DTYPES[name])
+    dtype = getattr(torch, _DTYPES[name], None)
+    if dtype is None:
+        raise ValueError(f"dtype {name} needs a newer torch than {torch.__version__}, "
+                         f"which has no torch.{_DTYPES[name]}: upgrade torch to load it")  # fmt: skip
+    return dtype
 
 
 def torch_dtype_name(name: Any) -> str:
@@ -122,7 +131,10 @@ def st_dtype(dtype: Any) -> str:
     try:
         return _TORCH_TO_ST[name]
     except KeyError:
-        raise UnsupportedValue(f"tensor dtype {name} cannot be stored; cast it first") from None
+        raise UnsupportedValue(
+            f"tensor dtype {name} cannot be stored: store a view of its bytes, t.view(torch.uint8), "
+            f"and view them back with .view(torch.{name}) after loading, or cast it"
+        ) from None
 
 
 def contiguous_strides(shape: list[int]) -> list[int]:
@@ -300,7 +312,10 @@ def encode_state(
             )
         ref = memo.get(id(t))
         if ref is None:
-            st_dtype(t.dtype)  # an unstorable dtype fails here, naming it
+            try:
+                st_dtype(t.dtype)  # an unstorable dtype fails here, naming it and where
+            except UnsupportedValue as e:
+                raise UnsupportedValue(f"{path or '/'}: {e}") from None
             ref = memo[id(t)] = {}
             storage = t.untyped_storage()
             leaf = _Leaf(new_key(path), t, ref, int(storage.nbytes()))

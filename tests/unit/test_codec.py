@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import io
 import json
 import math
 import re
@@ -37,6 +38,16 @@ DTYPES = [
     torch.int32,
     torch.int64,
     torch.bool,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+    torch.complex64,
+    torch.complex128,
 ]
 
 
@@ -410,6 +421,39 @@ def test_arbitrary_objects_need_allow_pickle(tmp_path: Path) -> None:
     with Checkpointer(tmp_path) as ck, pytest.raises(UnsupportedValue, match="allow_pickle"):
         ck.save({"obj": Opaque(1)}, step=1)
     assert not list(tmp_path.glob("step-*")), "a refused save must not commit anything"
+
+
+def test_fp8_states_of_nvidia_and_amd_gpus_and_mx_scales_come_back_as_torch_load_gives_them(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 256, (6, 8), dtype=torch.uint8, generator=gen)
+    state = {name: bits.clone().view(getattr(torch, name)) for name in
+             ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")}  # fmt: skip
+    state["rows"] = state["float8_e5m2fnuz"][2:4]  # a view of one of them
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    ref = torch.load(buf)
+    with Checkpointer(tmp_path) as ck:
+        path = ck.save(state, step=1)
+        got = ck.load_latest()
+    assert_same(ref, got)
+    # The data file stays one safetensors reads; its torch loader knows the FNUZ names.
+    with safe_open(str(path / "tensors-00000.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("float8_e4m3fnuz").view(torch.uint8), bits)
+        assert f.get_tensor("float8_e5m2fnuz").dtype is torch.float8_e5m2fnuz
+
+
+def test_a_dtype_with_no_safetensors_name_is_refused_naming_where_and_a_bit_exact_way(tmp_path: Path) -> None:
+    packed = torch.arange(8, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)  # two FP4 values a byte
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(UnsupportedValue, match=r"^/model/w: tensor dtype float4_e2m1fn_x2 .*t\.view\(torch\.uint8\)"):
+            ck.save({"model": {"w": packed}}, step=1)
+        assert not list(tmp_path.glob("step-*"))
+        ck.save({"model": {"w": packed.view(torch.uint8)}}, step=1)  # what the message says to do
+        back = ck.load_latest()["model"]["w"].view(torch.float4_e2m1fn_x2)
+    assert back.dtype is packed.dtype and torch.equal(back.view(torch.uint8), packed.view(torch.uint8))
 
 
 NO_PLAIN_STORAGE = {
