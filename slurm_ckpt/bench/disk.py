@@ -63,15 +63,28 @@ class Raw:
         finally:
             os.close(fd)
 
-    def read(self, path: Path, threads: int, into: memoryview | None = None) -> None:
-        """Read into our buffer, or into ``into`` (page-aligned, ``nbytes`` long)."""
+    def read(
+        self,
+        path: Path,
+        threads: int,
+        into: memoryview | None = None,
+        landed: Callable[[memoryview], None] = lambda v: None,
+    ) -> None:
+        """Read into our buffer, or into ``into`` (page-aligned, ``nbytes`` long);
+        ``landed(piece)`` is called on each piece once it is read whole."""
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
         try:
-            self._parallel(threads, lambda v, off: os.preadv(fd, [v], off), into)
+            self._parallel(threads, lambda v, off: os.preadv(fd, [v], off), into, landed)
         finally:
             os.close(fd)
 
-    def _parallel(self, threads: int, io: Callable[[memoryview, int], int], into: memoryview | None = None) -> None:
+    def _parallel(
+        self,
+        threads: int,
+        io: Callable[[memoryview, int], int],
+        into: memoryview | None = None,
+        landed: Callable[[memoryview], None] = lambda v: None,
+    ) -> None:
         offsets = iter(range(0, self.nbytes, self.chunk))
         lock = threading.Lock()
         view = memoryview(self.buf) if into is None else into
@@ -82,12 +95,13 @@ class Raw:
                     off = next(offsets, None)
                 if off is None:
                     return
-                v = view[off : off + self.chunk]
+                piece = v = view[off : off + self.chunk]
                 while v:
                     n = io(v, off)
                     if n <= 0:
                         raise OSError(f"raw I/O stopped at byte {off}")
                     v, off = v[n:], off + n
+                landed(piece)
 
         pool = [threading.Thread(target=worker) for _ in range(threads)]
         for t in pool:
