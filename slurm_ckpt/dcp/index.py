@@ -155,7 +155,7 @@ def index_entries(
         for ch in md.chunks:
             where = stored[MetadataIndex(fqn, ch.offsets)]
             chunks.append({"offsets": list(ch.offsets), "sizes": list(ch.sizes), **where.to_json()})
-        out[fqn] = {"dtype": st_dtype(md.properties.dtype), "shape": list(md.size),
+        out[fqn] = {"dtype": st_dtype(md.properties.dtype, fqn), "shape": list(md.size),
                     **layouts.get(fqn, {}), "chunks": chunks}  # fmt: skip
     return out
 

@@ -139,7 +139,7 @@ def make_job(state: Any, *, group: RankGroup | None, engine: Engine, allow_pickl
         keys.add(key)
         if not background and not is_cuda(t):
             t = t.to("cpu").contiguous()  # copies only what is not CPU and contiguous yet
-        e = TensorEntry(key, t, st_dtype(t.dtype), list(t.shape))
+        e = TensorEntry(key, t, st_dtype(t.dtype, fqn), list(t.shape))
         entries.append(e)
         chunks[id(e)] = _chunk_entry(fqn, prep.flat[fqn], td)
     if background or any(is_cuda(e.tensor) for e in entries):
@@ -161,7 +161,7 @@ def make_job(state: Any, *, group: RankGroup | None, engine: Engine, allow_pickl
 def _chunk_entry(fqn: str, value: Any, td: Any) -> dict[str, Any]:
     """The index fields of one chunk: its key, the global tensor's dtype and shape (and
     placements and mesh for a DTensor), and where the chunk sits in it."""
-    out: dict[str, Any] = {"fqn": fqn, "dtype": st_dtype(td.properties.dtype), "shape": list(td.size)}
+    out: dict[str, Any] = {"fqn": fqn, "dtype": st_dtype(td.properties.dtype, fqn), "shape": list(td.size)}
     if is_dtensor(value):
         out |= {"placements": [repr(p) for p in value.placements], "mesh": list(value.device_mesh.shape)}
     out["chunk"] = {"offsets": list(td.chunk.offsets), "sizes": list(td.chunk.sizes)}

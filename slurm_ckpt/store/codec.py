@@ -92,8 +92,9 @@ __all__ = [
 
 # safetensors' dtype names. The float8 ones: FP8 training's on NVIDIA GPUs (torch
 # >= 2.1), on AMD's (FNUZ, torch >= 2.2), and the MX formats' scales (E8M0, torch
-# >= 2.7). torch's float4_e2m1fn_x2 has none: safetensors' F4 counts 4-bit elements,
-# torch's dtype pairs of them, so a file under that name would misstate its shape.
+# >= 2.7). C128 is ours: safetensors has no complex128. torch's float4_e2m1fn_x2 is
+# left out: safetensors' F4 counts 4-bit values where torch's dtype counts pairs of
+# them, so its shape in the header would not be the tensor's.
 _DTYPES = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
     "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64",
@@ -108,14 +109,19 @@ _MAX_JSON_INT_BITS = 10_000
 
 
 def torch_dtype(name: str) -> Any:
-    """The torch dtype for a safetensors dtype name (``KeyError`` for one not known here,
-    ``ValueError`` for one this torch lacks)."""
+    """The torch dtype for a safetensors dtype name (``KeyError`` for one not known here).
+
+    ``ImportError`` where this torch lacks it: an older torch than the one that
+    saved, not a damaged checkpoint, so no reader may take it for one and pass
+    over the checkpoint for an older step (readers turn the other errors of a
+    bad header into :class:`CheckpointCorrupt`).
+    """
     import torch
 
     dtype = getattr(torch, _DTYPES[name], None)
     if dtype is None:
-        raise ValueError(f"dtype {name} needs a newer torch than {torch.__version__}, "
-                         f"which has no torch.{_DTYPES[name]}: upgrade torch to load it")  # fmt: skip
+        raise ImportError(f"this checkpoint holds {name} tensors, and torch {torch.__version__} has no "
+                          f"torch.{_DTYPES[name]}: upgrade torch to load it")  # fmt: skip
     return dtype
 
 
@@ -125,16 +131,22 @@ def torch_dtype_name(name: Any) -> str:
 
 
 @functools.cache
-def st_dtype(dtype: Any) -> str:
-    """The safetensors dtype name for a torch dtype (:class:`UnsupportedValue` if it has none)."""
-    name = str(dtype).removeprefix("torch.")
-    try:
-        return _TORCH_TO_ST[name]
-    except KeyError:
+def _st_name(dtype: Any) -> str | None:
+    return _TORCH_TO_ST.get(str(dtype).removeprefix("torch."))
+
+
+def st_dtype(dtype: Any, where: str = "") -> str:
+    """The safetensors dtype name for a torch dtype; :class:`UnsupportedValue` if it has
+    none, its message starting with ``where`` (the tensor's place in the state)."""
+    st = _st_name(dtype)
+    if st is None:
+        name = str(dtype).removeprefix("torch.")
         raise UnsupportedValue(
-            f"tensor dtype {name} cannot be stored: store a view of its bytes, t.view(torch.uint8), "
-            f"and view them back with .view(torch.{name}) after loading, or cast it"
-        ) from None
+            f"{where + ': ' if where else ''}tensor dtype {name} cannot be stored: store a copy of "
+            f"its bytes, t.contiguous().view(torch.uint8), and view them back with .view(torch.{name}) "
+            "after loading, or cast it"
+        )
+    return st
 
 
 def contiguous_strides(shape: list[int]) -> list[int]:
@@ -312,10 +324,7 @@ def encode_state(
             )
         ref = memo.get(id(t))
         if ref is None:
-            try:
-                st_dtype(t.dtype)  # an unstorable dtype fails here, naming it and where
-            except UnsupportedValue as e:
-                raise UnsupportedValue(f"{path or '/'}: {e}") from None
+            st_dtype(t.dtype, path or "/")  # an unstorable dtype fails here, naming it and where
             ref = memo[id(t)] = {}
             storage = t.untyped_storage()
             leaf = _Leaf(new_key(path), t, ref, int(storage.nbytes()))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorrupt, ConfigError, UnsafeLoad, storage_error
-from .codec import EncodedState, decode_state, encode_state, st_dtype, tensor_refs, torch_dtype_name
+from .codec import EncodedState, decode_state, encode_state, tensor_refs, torch_dtype_name
 from .fsutil import write_file_durably
 from .manifest import Manifest
 from .tensorfile import FileRecord, read_tensors, write_tensor_file
@@ -202,6 +202,6 @@ def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict
             )
         # Of another dtype (a model cast since the save), it is copied into, and so
         # cast, once read, as load_state_dict and DCP cast.
-        if view is None and st_dtype(t.dtype) == info.get("dtype"):
+        if view is None and torch_dtype_name(info.get("dtype")) == str(t.dtype):
             whole.add(key)
     return targets, whole
