@@ -136,9 +136,11 @@ def main() -> None:
     ck = Checkpointer(root / "ckpt", keep=1000, distributed=False)
     out = root / "raw.bin"
     try:
-        times, nbytes = _measure(state, ck, out, args.reps)
+        try:
+            times, nbytes = _measure(state, ck, out, args.reps)
+        finally:
+            ck.close()
     finally:
-        ck.close()
         shutil.rmtree(root / "ckpt", ignore_errors=True)
         out.unlink(missing_ok=True)
     base = statistics.median(next(iter(times.values())))

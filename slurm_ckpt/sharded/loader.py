@@ -97,7 +97,7 @@ def load_one(ckpt: Path, man: Manifest | None, into: dict[str, Any], ranks: Rank
         status: tuple[str, str] = ("ok", "")
     except (CheckpointCorrupt, StorageError) as e:
         plan, status = None, ("corrupt", f"rank {ranks.rank}: {e}")
-    except (ConfigError, ValueError, UnsafeLoad) as e:
+    except (ConfigError, ValueError, UnsafeLoad, ImportError) as e:  # ImportError: a dtype of a newer torch
         plan, status, mine = None, ("fatal", f"rank {ranks.rank}: {type(e).__name__}: {e}"), e
     # Every rank must know before the collective load whether all can go on.
     statuses = ranks.all_gather(status)

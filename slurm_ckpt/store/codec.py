@@ -62,6 +62,7 @@ import contextlib
 import functools
 import math
 import pickle
+import re
 import sys
 import warnings
 from collections import Counter, OrderedDict, defaultdict
@@ -259,8 +260,9 @@ def encode_state(
 
     ``stored``: false where a state is encoded to be matched (an ``into=``
     target), not stored: then no warning says which subclasses (of dict, list,
-    str, int, float) were stored as plain values, and tensors on the meta
-    device are taken.
+    str, int, float) were stored as plain values, tensors on the meta device
+    and of dtypes that cannot be stored are taken, and no data-file entries are
+    made (the result's ``leaves`` are what such a caller needs).
 
     ``prepare`` maps each entry's tensor to the CPU contiguous tensor that will
     be written (the engine passes its staging copy here); by default tensors are
@@ -324,7 +326,8 @@ def encode_state(
             )
         ref = memo.get(id(t))
         if ref is None:
-            st_dtype(t.dtype, path or "/")  # an unstorable dtype fails here, naming it and where
+            if stored:
+                st_dtype(t.dtype, path or "/")  # an unstorable dtype fails here, naming it and where
             ref = memo[id(t)] = {}
             storage = t.untyped_storage()
             leaf = _Leaf(new_key(path), t, ref, int(storage.nbytes()))
@@ -451,7 +454,7 @@ def encode_state(
         out.tree = enc(state, "")
     except RecursionError:  # torch.save keeps a cycle; the tree cannot hold one
         raise UnsupportedValue(_too_deep(state)) from None
-    for group in storages.values():
+    for group in storages.values() if stored else ():
         _store(group, entry)
     if plain and stored:
         more = f" (and {len(plain) - 3} more)" if len(plain) > 3 else ""
@@ -620,7 +623,13 @@ def _view_record(rec: Any) -> dict[str, Any]:
 def _dtype(name: Any) -> Any:
     torch = _torch()
     # From the module's own names: getattr would import a lazy submodule a name happens to match.
-    dtype = vars(torch).get(_str(name))
+    name = _str(name)
+    dtype = vars(torch).get(name)
+    if dtype is None and re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        # A dtype of a newer torch than this one (state.json's checksum held, so the
+        # writer put it there): not damage, which would pass over the checkpoint.
+        raise ImportError(f"this checkpoint holds the dtype torch.{name}, which torch {torch.__version__} "
+                          "lacks: upgrade torch to load it")  # fmt: skip
     if not isinstance(dtype, torch.dtype):
         raise ValueError("not a torch dtype")
     return dtype

@@ -203,6 +203,15 @@ def _data_bytes(run: Path) -> int:
 # ---------------------------------------------------------------- the ranks' side
 
 
+def test_a_rank_whose_torch_lacks_a_saved_dtype_fails_every_rank_at_once(tmp_path: Path) -> None:
+    # Rank 1 stands for a node with an older torch. It must say why, and rank 0 must
+    # not wait in the collective load for it until the group's timeout.
+    results = launch(2, f"{HERE}:_w_older_torch_on_one_rank", {"run": str(tmp_path / "run")}, tmp_path / "out",
+                     timeout=120)  # fmt: skip
+    assert results[1]["error"] == "ImportError" and "upgrade torch" in results[1]["message"]
+    assert results[0]["error"] == "ConfigError"
+    assert "rank 1: ImportError" in results[0]["message"] and "F8_E4M3FNUZ" in results[0]["message"]
+
 def _w_train_and_save(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -413,3 +422,21 @@ def _w_process_executor(rank: int, world: int, args: dict[str, Any]) -> dict[str
         equal.append(not _mismatches(_full({"model": fmsd, "optim": fosd["state"]}), ref))
     return {"durable_when_done": durable, "changed_after": changed, "equal": equal, "closed": closed,
             "failed": failed, "third_durable": is_committed(run, 3)}  # fmt: skip
+
+
+def _w_older_torch_on_one_rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from slurm_ckpt import sharded
+    from slurm_ckpt.store import codec
+
+    run = Path(args["run"])
+    sharded.save({"w": torch.zeros(8, dtype=torch.uint8).view(torch.float8_e4m3fnuz)}, run, 1)
+    if rank == 1:  # torch's own collectives name the dtype: only slurm-ckpt's reader is made not to find it
+        monkeypatch = pytest.MonkeyPatch()
+        monkeypatch.setitem(codec._DTYPES, "F8_E4M3FNUZ", "float8_of_a_newer_torch")
+    try:
+        sharded.load(run)
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None, "message": ""}
