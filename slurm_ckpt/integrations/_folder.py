@@ -27,7 +27,8 @@ from ..placement import Local
 from ..ranks import open_group
 from ._steps import oldest_newest, resume_step
 
-__all__ = ["error_text", "folder_state", "gather_objects", "one_writer", "resume_folder", "together", "write_folder"]
+__all__ = ["error_text", "folder_state", "gather_objects", "one_writer", "raise_gathered", "resume_folder", "together",
+           "write_folder"]
 
 _FORMAT = "slurm-ckpt-folder"
 
@@ -197,11 +198,17 @@ def resume_folder(ckpt: Checkpointer, root: Path) -> tuple[int, Path] | None:
             errors = [e for e in group.all_gather(error) if e]
     finally:
         group.release()
+    raise_gathered(what, errors, cause)
+    return None if step is None else (step, dest)
+
+
+def raise_gathered(what: str, errors: list[str], cause: BaseException | None) -> None:
+    """Once every process has gathered the others' ``errors``: this process's own
+    Ctrl-C (``cause``) as itself, else :class:`ShardError` naming every error."""
     if cause is not None and not isinstance(cause, Exception):
         raise cause  # Ctrl-C stays one here, now that the others know
     if errors:
         raise ShardError(f"{what} failed: {'; '.join(errors)}") from cause
-    return None if step is None else (step, dest)
 
 
 def _rewrite(state: Any, parent: Path, step: int) -> Path:

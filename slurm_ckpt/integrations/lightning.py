@@ -55,7 +55,7 @@ from ..errors import ConfigError, ShardError
 from ..loopstate import rng_state, set_rng_state
 from ..store.manifest import MANIFEST
 from ..store.tiers import read_dirs
-from ._folder import error_text, gather_objects
+from ._folder import error_text, gather_objects, raise_gathered
 from ._steps import load_step, oldest_newest, read_pointer, resume_step, write_pointer
 
 __all__ = ["PreemptionCallback", "SlurmCkptIO", "load_from_checkpoint", "plugins"]
@@ -183,10 +183,7 @@ class SlurmCkptIO(CheckpointIO):
             except BaseException as e:  # raised below on every rank, not only here (Ctrl-C too)
                 cause, error = e, f"rank {dist.get_rank()}: {error_text(e)}"
         errors = [e for e in gather_objects(error) if e]
-        if cause is not None and not isinstance(cause, Exception):
-            raise cause  # Ctrl-C stays one here, now that the others know
-        if errors:
-            raise ShardError(f"resuming Lightning from checkpoint {step} failed: {'; '.join(errors)}") from cause
+        raise_gathered(f"resuming Lightning from checkpoint {step}", errors, cause)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer (or Lightning's own file); retention removes the data."""

@@ -121,9 +121,15 @@ def torch_dtype(name: str) -> Any:
 
     dtype = getattr(torch, _DTYPES[name], None)
     if dtype is None:
-        raise ImportError(f"this checkpoint holds {name} tensors, and torch {torch.__version__} has no "
-                          f"torch.{_DTYPES[name]}: upgrade torch to load it")  # fmt: skip
+        raise _newer_dtype(f"{name} tensors (torch.{_DTYPES[name]})")
     return dtype
+
+
+def _newer_dtype(what: str) -> ImportError:
+    """The error for ``what``, a dtype this torch lacks: a newer torch saved it."""
+    import torch
+
+    return ImportError(f"this checkpoint holds {what}, which torch {torch.__version__} lacks: upgrade torch to load it")
 
 
 def torch_dtype_name(name: Any) -> str:
@@ -628,8 +634,7 @@ def _dtype(name: Any) -> Any:
     if dtype is None and re.fullmatch(r"[a-z][a-z0-9_]*", name):
         # A dtype of a newer torch than this one (state.json's checksum held, so the
         # writer put it there): not damage, which would pass over the checkpoint.
-        raise ImportError(f"this checkpoint holds the dtype torch.{name}, which torch {torch.__version__} "
-                          "lacks: upgrade torch to load it")  # fmt: skip
+        raise _newer_dtype(f"the dtype torch.{name}")
     if not isinstance(dtype, torch.dtype):
         raise ValueError("not a torch dtype")
     return dtype
