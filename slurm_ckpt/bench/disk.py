@@ -71,10 +71,11 @@ class Raw:
         landed: Callable[[memoryview], None] = lambda v: None,
     ) -> None:
         """Read into our buffer, or into ``into`` (page-aligned, ``nbytes`` long);
-        ``landed(piece)`` is called on each piece once it is read whole."""
+        ``landed(piece)`` is called on each piece once it is read whole. A file
+        shorter than ``nbytes`` (any other file, such as a checkpoint's) is read to its end."""
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
         try:
-            self._parallel(threads, lambda v, off: os.preadv(fd, [v], off), into, landed)
+            self._parallel(threads, lambda v, off: os.preadv(fd, [v], off), into, landed, os.fstat(fd).st_size)
         finally:
             os.close(fd)
 
@@ -84,24 +85,32 @@ class Raw:
         io: Callable[[memoryview, int], int],
         into: memoryview | None = None,
         landed: Callable[[memoryview], None] = lambda v: None,
+        end: int | None = None,
     ) -> None:
         offsets = iter(range(0, self.nbytes, self.chunk))
+        end = self.nbytes if end is None else end
         lock = threading.Lock()
         view = memoryview(self.buf) if into is None else into
+        failed: list[BaseException] = []
 
         def worker() -> None:
-            while True:
-                with lock:
-                    off = next(offsets, None)
-                if off is None:
-                    return
-                piece = v = view[off : off + self.chunk]
-                while v:
-                    n = io(v, off)
-                    if n <= 0:
-                        raise OSError(f"raw I/O stopped at byte {off}")
-                    v, off = v[n:], off + n
-                landed(piece)
+            try:
+                while not failed:
+                    with lock:
+                        off = next(offsets, None)
+                    if off is None:
+                        return
+                    piece = v = view[off : off + self.chunk]
+                    while v:
+                        n = io(v, off)
+                        if n == 0 and off >= end:
+                            break
+                        if n <= 0:
+                            raise OSError(f"raw I/O stopped at byte {off}")
+                        v, off = v[n:], off + n
+                    landed(piece)
+            except BaseException as e:  # raised below: a failed read must not time as a fast one
+                failed.append(e)
 
         pool = [threading.Thread(target=worker) for _ in range(threads)]
         for t in pool:
@@ -110,3 +119,5 @@ class Raw:
             t.join()
         if into is None:
             view.release()
+        if failed:
+            raise failed[0]

@@ -388,9 +388,9 @@ def _items_into(addr: int, rb: int, re: int, chunk: int) -> list[_Item]:
         lo = hi = rb  # nothing lines up: all of it through a bounce buffer
     else:
         # Only the 2 MiB-aligned stretch of an allocation can be huge pages (torch's
-        # are not aligned to 2 MiB), and a read into 4 KiB pages is cut into requests
-        # at the disk's segment limit: the rest costs about as much through a bounce
-        # buffer, and at times far less (``python bench/read_contention.py`` compares them).
+        # are not aligned to 2 MiB). A read into 4 KiB pages costs the disk a segment
+        # per page: the rest costs about as much through a bounce buffer, and at times
+        # far less (``python bench/read_contention.py`` compares them).
         h0, h1 = -(-(addr + lo - rb) // HUGE) * HUGE, (addr + hi - rb) // HUGE * HUGE
         if h1 > h0:
             lo, hi = h0 - addr + rb, h1 - addr + rb
