@@ -168,6 +168,8 @@ def _flat(tree: Any, load_tensor: Callable[[str], Any]) -> tuple[dict[str, Any],
         if isinstance(t, dict):
             if len(t) == 1 and "$np" in t:  # DCP offers numpy arrays as tensors
                 return {"$t": t["$np"]}
+            if len(t) == 1 and "$npT" in t:  # as stored: a Fortran-ordered array's transpose
+                return {"$t": t["$npT"]}
             if len(t) == 1 and "$view" in t:  # a placeholder, like any tensor: see _view_chunk
                 return {"$t": t["$view"]["key"]}
             if len(t) == 1 and "$pickle" in t:  # decoded as a plain dict, turned into a _Pickled below

@@ -125,7 +125,7 @@ def refs(tree: Any) -> Iterator[str]:
     elif isinstance(tree, dict):
         if len(tree) == 1:
             ((tag, val),) = tree.items()
-            if tag in ("$t", "$np"):
+            if tag in ("$t", "$np", "$npT"):
                 yield val
                 return
         for v in tree.values():

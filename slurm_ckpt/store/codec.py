@@ -15,6 +15,8 @@ cannot say natively are tagged objects with a single ``$``-key:
                     (the lazy conjugate and negative bits) when they are set;
                     ``key`` names the tensor object
 ``{"$np": key}``    a numpy array, stored whole as a tensor
+``{"$npT": key}``   a numpy array in Fortran order (the transpose of one, say), as
+                    pickle keeps it: stored whole as its transpose, in C order
 ``{"$npscalar":     a numpy scalar (``np.float32(0.5)``), as its dtype
 [dtype, v]}``       (``"<f4"``) and its value: a JSON number where that gives
                     back the same bits, else ``{"$bytes": ...}`` of its bytes
@@ -345,16 +347,19 @@ def encode_state(
 
     def array_ref(a: Any, path: str) -> dict[str, Any]:
         refs[0] += 1
+        # Arrays are stored whole, each on its own, as pickle stores them: in C
+        # order, but for one in Fortran order (and not also in C order), which
+        # pickle keeps so, and which is stored as its transpose, in C order.
+        tag, whole = ("$npT", a.T) if a.flags.f_contiguous and not a.flags.c_contiguous else ("$np", a)
         if refer is not None:
-            return {"$np": refer(a, path)}
-        # Arrays are stored whole, each on its own, as pickle stores them.
+            return {tag: refer(whole, path)}
         ref = memo.get(id(a))
         if ref is None:
             key = new_key(path)
-            t = array_tensor(a)
+            t = array_tensor(whole)
             out.leaves[key] = t
             entry(key, t)
-            ref = memo[id(a)] = {"$np": key}
+            ref = memo[id(a)] = {tag: key}
         return ref
 
     def enc(obj: Any, path: str) -> Any:
@@ -763,7 +768,7 @@ def tensor_refs(tree: Any) -> dict[str, dict[str, Any] | None]:
         elif isinstance(obj, dict):
             if len(obj) == 1:
                 (tag, val), = obj.items()
-                if tag in ("$t", "$np"):
+                if tag in ("$t", "$np", "$npT"):
                     out[val] = None
                     return
                 if tag == "$view":
@@ -795,7 +800,7 @@ def decode_state(
     """
     tensors: dict[str, Any] = {}
     views: dict[str, Any] = {}
-    arrays: dict[str, Any] = {}
+    arrays: dict[tuple[str, bool], Any] = {}
     moved: dict[tuple[str, str], Any] = {}
     objects: list[Any] | None = None
     targets = into or {}
@@ -837,10 +842,11 @@ def decode_state(
             moved[entry, device] = _to_device(base, device, key, saved)
         return moved[entry, device]
 
-    def array(key: str) -> Any:
-        if key not in arrays:
-            arrays[key] = filled(key, tensor(key)).numpy()
-        return arrays[key]
+    def array(key: str, transposed: bool) -> Any:
+        if (key, transposed) not in arrays:
+            a = filled(key, tensor(key)).numpy()
+            arrays[key, transposed] = a.T if transposed else a
+        return arrays[key, transposed]
 
     def dec(obj: Any) -> Any:
         nonlocal objects
@@ -854,8 +860,8 @@ def decode_state(
                 return filled(val, placed(val, tensor(_of(str, tag, val)), "cpu", val))
             if tag == "$view":
                 return view(_view_record(val))
-            if tag == "$np":
-                return array(_of(str, tag, val))
+            if tag in ("$np", "$npT"):
+                return array(_of(str, tag, val), tag == "$npT")
             if tag == "$tuple":
                 return tuple(dec(v) for v in _of(list, tag, val))
             if tag == "$set":

@@ -30,8 +30,8 @@ FORMAT = "slurm-ckpt"
 VERSION = 3
 """Written. 2: ``state.json`` may hold ``$view`` tensors (storages shared, any strides).
 3: and ``$npscalar``, ``$size``, ``$complex``, ``$counter``, ``$defaultdict``,
-``$namespace``, ``$path``, ``$set``, ``$device`` and ``$bytearray`` values, which a
-reader of 2 would give back as dicts, and ``$view``'s ``conj`` and ``neg``."""
+``$namespace``, ``$path``, ``$set``, ``$device``, ``$bytearray`` and ``$npT`` values,
+which a reader of 2 would give back as dicts, and ``$view``'s ``conj`` and ``neg``."""
 READS = (1, 2, 3)
 MANIFEST = "MANIFEST.json"
 MANIFEST_LIMIT = 1 << 30

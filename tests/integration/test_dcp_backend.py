@@ -366,7 +366,8 @@ def test_dcp_load_reads_a_checkpoint_of_the_checkpointer(tmp_path: Path) -> None
     model, opt, sched = trained()
     state = {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(), "step": 7,
              "rng": torch.get_rng_state(), "tied": {"a": model[0].weight},
-             "plain": {"size": torch.Size([2, 3]), "avg": np.float32(0.1), "pair": (1, np.int64(2))}}  # fmt: skip
+             "plain": {"size": torch.Size([2, 3]), "avg": np.float32(0.1), "pair": (1, np.int64(2))},
+             "arrays": {"c": np.arange(3.0), "t": np.arange(6.0).reshape(2, 3).T}}  # fmt: skip
     with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
         ck.save(state, step=7)
     model2 = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
@@ -376,7 +377,8 @@ def test_dcp_load_reads_a_checkpoint_of_the_checkpointer(tmp_path: Path) -> None
     opt2.step()  # the moments exist, as they must for DCP to load into them
     target = {"model": model2.state_dict(), "optim": opt2.state_dict(), "sched": sched2.state_dict(), "step": 0,
               "rng": torch.zeros_like(state["rng"]), "tied": {"a": torch.zeros(6, 8)},
-              "plain": {"size": None, "avg": None, "pair": None}}  # fmt: skip
+              "plain": {"size": None, "avg": None, "pair": None},
+              "arrays": {"c": torch.zeros(3, dtype=torch.float64), "t": torch.zeros(2, 3, dtype=torch.float64)}}  # fmt: skip
     r = StorageReader(tmp_path / "run")
     dcp.load(target, storage_reader=r)
     model2.load_state_dict(target["model"])
@@ -391,6 +393,9 @@ def test_dcp_load_reads_a_checkpoint_of_the_checkpointer(tmp_path: Path) -> None
     assert type(plain["size"]) is torch.Size and plain["size"] == (2, 3)
     assert type(plain["avg"]) is np.float32 and plain["avg"] == np.float32(0.1)
     assert type(plain["pair"]) is tuple and type(plain["pair"][1]) is np.int64
+    # Arrays as the tensors they are stored as: one in Fortran order as its transpose.
+    assert np.array_equal(target["arrays"]["c"].numpy(), state["arrays"]["c"])
+    assert np.array_equal(target["arrays"]["t"].numpy(), state["arrays"]["t"].T)
     # Each data file is read whole once, to check it against the manifest's crc32.
     assert r.bytes_read >= sum(rec.size for n, rec in verify_checkpoint(tmp_path / "run" / "step-000000007").files.items()
                                if n.endswith(".safetensors"))  # fmt: skip

@@ -338,6 +338,35 @@ def test_numpy_arrays_keep_their_shape_and_a_masked_one_is_not_stored_as_a_plain
     assert all(np.array_equal(got[k], a) and got[k].dtype == a.dtype for k, a in odd.items())
 
 
+def layout(a: np.ndarray) -> tuple[Any, ...]:
+    return a.dtype, a.shape, a.strides, a.flags.c_contiguous, a.flags.f_contiguous, a.tobytes(order="A")
+
+
+def test_numpy_arrays_keep_their_order_as_torch_load_gives_them(tmp_path: Path) -> None:
+    # Pickle keeps an array in Fortran order (a transposed one, say) so, and copies
+    # any other one in C order: torch.load gives each back with those strides.
+    w = np.arange(12.0).reshape(3, 4)
+    fortran = np.asfortranarray(np.arange(24, dtype=np.int32).reshape(2, 3, 4))
+    frozen = w.T.copy(order="F")
+    frozen.flags.writeable = False
+    state = {"c": w, "t": w.T, "f": fortran, "frozen": frozen, "strided": w[:, ::2], "strided_t": w.T[::2],
+             "row": np.arange(3.0)[None, :], "same": [fortran, fortran]}  # fmt: skip
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    want = torch.load(buf, weights_only=False)
+    assert want["t"].flags.f_contiguous and not want["t"].flags.c_contiguous  # what the test is about
+    for got in (round_trip(state), round_trip(state, async_=True)):
+        for key in ("c", "t", "f", "frozen", "strided", "strided_t", "row"):
+            assert layout(got[key]) == layout(want[key]), key
+        assert got["same"][0] is got["same"][1] and layout(got["same"][0]) == layout(fortran)
+    with Checkpointer(tmp_path, keep=1) as ck:
+        ck.save(state, step=1)
+        target = np.zeros((4, 3), order="F")
+        got = ck.load_latest(into={"t": target})
+    assert np.array_equal(target, w.T) and layout(got["t"]) == layout(want["t"])  # read into the array's memory
+
+
 def test_into_a_read_only_array_leaves_its_memory_alone(tmp_path: Path) -> None:
     with Checkpointer(tmp_path, keep=1) as ck:
         ck.save({"a": np.array([1, 2], dtype=np.uint16)}, step=1)

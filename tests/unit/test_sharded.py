@@ -174,7 +174,7 @@ def test_a_dtensor_state_keeps_numpy_arrays_and_tensors_inside_tuples_and_namesp
     rng = np.random.get_state()
     s = {"w": distribute_tensor(torch.arange(8.0), one_rank, [Shard(0)]), "np": rng, "py": random.getstate(),
          "pair": (torch.arange(3.0), 3), "args": argparse.Namespace(lr=0.1, mask=torch.ones(2)),
-         "best": np.array(0.25)}  # fmt: skip
+         "best": np.array(0.25), "proj": np.arange(6.0).reshape(2, 3).T}  # fmt: skip
     want = np.random.rand(3)
     with Checkpointer(run_dir, scratch=False) as ck:
         ck.save(s, step=1)
@@ -188,6 +188,9 @@ def test_a_dtensor_state_keeps_numpy_arrays_and_tensors_inside_tuples_and_namesp
         assert torch.equal(state["pair"][0], torch.arange(3.0)) and state["pair"][1] == 3
         assert type(state["args"]) is argparse.Namespace and torch.equal(state["args"].mask, torch.ones(2))
         assert state["best"].shape == () and state["best"] == 0.25
+        # In Fortran order, as pickle keeps a transposed array.
+        assert state["proj"].flags.f_contiguous and state["proj"].strides == s["proj"].strides
+        assert np.array_equal(state["proj"], s["proj"])
     # dcp.load cannot be given a value holding tensors or arrays: refused before anything is read.
     import torch.distributed.checkpoint as dcp
 
