@@ -67,7 +67,7 @@ import pickle
 import re
 import sys
 import warnings
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,11 +150,15 @@ def st_dtype(dtype: Any, where: str = "") -> str:
     st = _st_name(dtype)
     if st is None:
         name = str(dtype).removeprefix("torch.")
-        raise UnsupportedValue(
-            f"{where + ': ' if where else ''}tensor dtype {name} cannot be stored: store a copy of "
-            f"its bytes, t.contiguous().view(torch.uint8), and view them back with .view(torch.{name}) "
-            "after loading, or cast it"
-        )
+        if name.startswith(("qint", "quint")):
+            # Not the bytes' view, as for the others: .view() of a quantized tensor kills the process.
+            fix = ("store t.int_repr() and its quantization (t.q_scale() and t.q_zero_point(), or "
+                   "t.q_per_channel_scales(), t.q_per_channel_zero_points() and t.q_per_channel_axis()) "
+                   "and quantize again after loading, or store t.dequantize()")  # fmt: skip
+        else:
+            fix = (f"store a copy of its bytes, t.contiguous().view(torch.uint8), and view them back "
+                   f"with .view(torch.{name}) after loading, or cast it")  # fmt: skip
+        raise UnsupportedValue(f"{where + ': ' if where else ''}tensor dtype {name} cannot be stored: {fix}")
     return st
 
 
@@ -456,10 +460,8 @@ def encode_state(
             refs[0] += 1
             out.objects.append(obj)
             return {"$pickle": len(out.objects) - 1}
-        raise UnsupportedValue(
-            f"{path or '/'}: cannot store a {type(obj).__qualname__} safely; convert it to "
-            "tensors and plain values, or pass allow_pickle=True (trusted input only)"
-        )
+        raise UnsupportedValue(f"{path or '/'}: cannot store {_a(type(obj).__qualname__)} safely; "
+                               f"{_instead(obj)}, or pass allow_pickle=True (trusted input only)")
 
     try:
         out.tree = enc(state, "")
@@ -568,6 +570,38 @@ def _plain_note(obj: Any, path: str) -> str:
     if isinstance(obj, defaultdict):
         return f"{path or '/'}: a defaultdict of {obj.default_factory!r}, not a builtin type, as a dict"
     return f"{path or '/'}: {_a(type(obj).__qualname__)} as {_a(base)}"
+
+
+def _instead(obj: Any) -> str:
+    """What to store in place of ``obj``, a value with no safe form: the fix its refusal names."""
+    import dataclasses
+    import datetime
+    import enum
+
+    def has(*names: str) -> bool:
+        return all(callable(getattr(obj, n, None)) for n in names)
+
+    if has("state_dict", "load_state_dict"):  # a module, optimizer, scheduler, GradScaler
+        return "store its state_dict() and restore it with load_state_dict()"
+    if has("get_state", "set_state"):  # a torch.Generator, NumPy's RandomState
+        return "store its get_state() and restore it with set_state()"
+    if hasattr(obj, "bit_generator"):  # np.random.default_rng()
+        return "store its bit_generator.state and restore it by assigning that"
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return "store dataclasses.asdict() of it"
+    if isinstance(obj, tuple) and has("_asdict"):  # a named tuple
+        return "store its _asdict() or tuple() of it"
+    if isinstance(obj, enum.Enum):
+        return "store its .value or .name"
+    if isinstance(obj, (datetime.date, datetime.time)):
+        return "store its isoformat()"
+    if isinstance(obj, datetime.timedelta):
+        return "store its total_seconds()"
+    if isinstance(obj, frozenset):
+        return "store set() of it"
+    if isinstance(obj, deque):
+        return "store list() of it"
+    return "convert it to tensors and plain values"
 
 
 def _a(noun: str) -> str:
