@@ -20,10 +20,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..store.codec import array_tensor, encode_state, is_dtensor, path_parts
+from ..store.codec import (
+    array_tensor,
+    encode_state,
+    is_dtensor,
+    path_parts,
+    tensor_refs,
+    transposed,
+)
 from ..store.writer import OBJECTS_FILE, STATE_FILE
 
-__all__ = ["PER_RANK", "Prepared", "Ranks", "Split", "holds_dtensor", "prepare", "refs", "split"]
+__all__ = ["PER_RANK", "Prepared", "Ranks", "Split", "holds_dtensor", "prepare", "refs", "split", "targets"]
 
 PER_RANK = "#rank"
 """Suffix of a per-rank plain tensor's key: ``rng#rank3``."""
@@ -115,6 +122,15 @@ def holds_dtensor(state: Any) -> bool:
         elif is_dtensor(obj):
             return True
     return False
+
+
+def targets(into: Any) -> dict[str, Any]:
+    """The tensors of an ``into=`` state by key, each NumPy array's in the array's own
+    shape (:func:`split` gives one in Fortran order as its transpose, as it is stored)."""
+    parts = split(into, allow_pickle=True, stored=False)
+    flipped: set[str] = set()
+    tensor_refs(parts.tree, flipped)
+    return {k: transposed(t) if k in flipped else t for k, t in parts.tensors.items()}
 
 
 def refs(tree: Any) -> Iterator[str]:

@@ -91,6 +91,7 @@ __all__ = [
     "tensor_refs",
     "torch_dtype",
     "torch_dtype_name",
+    "transposed",
 ]
 
 # safetensors' dtype names. The float8 ones: FP8 training's on NVIDIA GPUs (torch
@@ -724,6 +725,12 @@ def _tensor_dtype(dtype: Any) -> bool:
     return dtype.isnative and dtype.kind in "biufc" and size <= 8
 
 
+def transposed(t: Any) -> Any:
+    """``t`` with its dimensions in reverse order, a view: the tensor a NumPy array in
+    Fortran order is stored as (``$npT``), or, of that, one in the array's own shape."""
+    return t.permute(*reversed(range(t.dim())))
+
+
 def array_tensor(a: Any) -> Any:
     """A tensor over a NumPy array's memory, to store it: of its shape (0-d too), and
     over a copy where the array is not C-contiguous or not writable (a load ``into=``
@@ -789,10 +796,10 @@ def _torch() -> Any:
     return torch
 
 
-def tensor_refs(tree: Any) -> dict[str, dict[str, Any] | None]:
+def tensor_refs(tree: Any, transposed: set[str] | None = None) -> dict[str, dict[str, Any] | None]:
     """Every tensor object a tree refers to, by key: its ``$view`` record, or
-    None for one stored whole (``$t``, ``$np``: the data file's header says its
-    dtype and shape)."""
+    None for one stored whole (``$t``, ``$np``, ``$npT``: the data file's header
+    says its dtype and shape). ``transposed`` gets the keys of the ``$npT`` ones."""
     out: dict[str, dict[str, Any] | None] = {}
 
     def walk(obj: Any) -> None:
@@ -804,6 +811,8 @@ def tensor_refs(tree: Any) -> dict[str, dict[str, Any] | None]:
                 (tag, val), = obj.items()
                 if tag in ("$t", "$np", "$npT"):
                     out[val] = None
+                    if tag == "$npT" and transposed is not None:
+                        transposed.add(val)
                     return
                 if tag == "$view":
                     out[val["key"]] = val

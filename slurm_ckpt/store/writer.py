@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorrupt, ConfigError, UnsafeLoad, storage_error
-from .codec import EncodedState, decode_state, encode_state, tensor_refs, torch_dtype_name
+from .codec import (
+    EncodedState,
+    decode_state,
+    encode_state,
+    tensor_refs,
+    torch_dtype_name,
+    transposed,
+)
 from .fsutil import write_file_durably
 from .manifest import Manifest
 from .tensorfile import FileRecord, read_tensors, write_tensor_file
@@ -179,8 +186,16 @@ def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict
         return {}, set()
     # A tensor that matches nothing would silently keep its old values, and a
     # trainer that relies on into= would train on from them: refuse up front.
-    targets = encode_state(into, allow_pickle=True, prepare=lambda t: t, stored=False).leaves
-    saved = tensor_refs(tree)
+    mine = encode_state(into, allow_pickle=True, prepare=lambda t: t, stored=False)
+    targets = mine.leaves
+    saved_t: set[str] = set()
+    saved = tensor_refs(tree, saved_t)
+    mine_t: set[str] = set()
+    tensor_refs(mine.tree, mine_t)
+    for key in (saved_t ^ mine_t) & targets.keys():
+        # A NumPy array in the other order than the saved one (C, Fortran): stored as
+        # its transpose, one of the two is filled through the transpose of the other.
+        targets[key] = transposed(targets[key])
     missing = sorted(set(targets) - set(saved))
     if missing:
         raise ValueError(

@@ -178,7 +178,9 @@ def test_a_dtensor_state_keeps_numpy_arrays_and_tensors_inside_tuples_and_namesp
     want = np.random.rand(3)
     with Checkpointer(run_dir, scratch=False) as ck:
         ck.save(s, step=1)
-        got = ck.load_latest(into={"w": distribute_tensor(torch.zeros(8), one_rank, [Shard(0)])})
+        proj = np.zeros((3, 2))  # in C order: filled through its transpose
+        got = ck.load_latest(into={"w": distribute_tensor(torch.zeros(8), one_rank, [Shard(0)]), "proj": proj})
+    assert np.array_equal(proj, s["proj"]) and np.shares_memory(got["proj"], proj)
     loaded = sharded.load(run_dir)
     assert loaded is not None
     for state in (got, loaded.state):
@@ -188,9 +190,9 @@ def test_a_dtensor_state_keeps_numpy_arrays_and_tensors_inside_tuples_and_namesp
         assert torch.equal(state["pair"][0], torch.arange(3.0)) and state["pair"][1] == 3
         assert type(state["args"]) is argparse.Namespace and torch.equal(state["args"].mask, torch.ones(2))
         assert state["best"].shape == () and state["best"] == 0.25
-        # In Fortran order, as pickle keeps a transposed array.
-        assert state["proj"].flags.f_contiguous and state["proj"].strides == s["proj"].strides
         assert np.array_equal(state["proj"], s["proj"])
+    # In Fortran order, as pickle keeps a transposed array (but where into= gave another array).
+    assert loaded.state["proj"].flags.f_contiguous and loaded.state["proj"].strides == s["proj"].strides
     # dcp.load cannot be given a value holding tensors or arrays: refused before anything is read.
     import torch.distributed.checkpoint as dcp
 
