@@ -148,6 +148,11 @@ class Refused:
         raise ConfigError(self.why)
 
 
+class _Transposed:
+    """Stands for a NumPy array in Fortran order, which :func:`_value` refuses: its bytes
+    are its transpose's, so DCP would read a square one transposed without a word."""
+
+
 class _Pickled:
     """Stands for object ``i`` of ``objects.pkl`` until a byte item needs it."""
 
@@ -168,8 +173,8 @@ def _flat(tree: Any, load_tensor: Callable[[str], Any]) -> tuple[dict[str, Any],
         if isinstance(t, dict):
             if len(t) == 1 and "$np" in t:  # DCP offers numpy arrays as tensors
                 return {"$t": t["$np"]}
-            if len(t) == 1 and "$npT" in t:  # as stored: a Fortran-ordered array's transpose
-                return {"$t": t["$npT"]}
+            if len(t) == 1 and "$npT" in t:  # stored as its transpose: no chunk of its own shape
+                return _Transposed()
             if len(t) == 1 and "$view" in t:  # a placeholder, like any tensor: see _view_chunk
                 return {"$t": t["$view"]["key"]}
             if len(t) == 1 and "$pickle" in t:  # decoded as a plain dict, turned into a _Pickled below
@@ -217,6 +222,9 @@ def _value(ckpt: Path, fqn: str, value: Any, objects: Callable[[], list[Any]]) -
     reader refuses a load that asks for it before reading anything, and a load that does
     not (``slurm_ckpt.sharded``'s, which decodes the state itself) is not disturbed by it.
     """
+    if _holds(value, _Transposed):
+        return Refused(f"{ckpt}: {fqn!r} is or holds a NumPy array in Fortran order, stored as its transpose, "
+                       "which DCP cannot read as the array; load this checkpoint with Checkpointer.load_latest")  # fmt: skip
     if _holds(value, torch.Tensor):
         # DCP keeps a tuple (or a list of lists) holding tensors as one pickled value.
         return Refused(f"{ckpt}: {fqn!r} is a value holding tensors or arrays, which DCP would load as one "

@@ -53,7 +53,7 @@ from ..store.layout import step_dir
 from ..store.manifest import MANIFEST
 from ..store.verify import Skipped
 from .loader import Loaded, load_one
-from .parts import Ranks, prepare, targets
+from .parts import Ranks, prepare, split
 
 __all__ = ["Loaded", "load", "save", "save_async"]
 
@@ -171,7 +171,7 @@ def load(
     cands = None
     if ranks.rank == 0:
         cands = iter([root]) if one else (c.path for c in iter_valid([*map(Path, search), root], full=False, skipped=skipped))
-    into_keys = targets(into) if into is not None else {}
+    into_keys = split(into, allow_pickle=True, stored=False).tensors if into is not None else {}
     while True:
         where = ranks.broadcast(str(next(cands, None) or "") if cands is not None else None)
         if not where:

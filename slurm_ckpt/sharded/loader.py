@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import Config
 from ..errors import CheckpointCorrupt, ConfigError, StorageError, UnsafeLoad, storage_error
-from ..store.codec import decode_state, tensor_refs, torch_dtype, transposed
+from ..store.codec import decode_state, torch_dtype
 from ..store.fsutil import read_small
 from ..store.manifest import Manifest, is_chunked
 from ..store.shards import shard_name
 from ..store.writer import OBJECTS_FILE, STATE_FILE, refuse_meta
-from .parts import PER_RANK, Ranks, refs, targets
+from .parts import PER_RANK, Ranks, refs, split
 
 if TYPE_CHECKING:
     from ..ranks import RankGroup
@@ -81,7 +81,7 @@ def load_one(ckpt: Path, man: Manifest | None, into: dict[str, Any], ranks: Rank
              config: Config | None, device: Any = None) -> tuple[Loaded | None, str]:  # fmt: skip
     """(loaded, "") or (None, why ``ckpt`` must be skipped); raises what an older checkpoint would not fix.
 
-    ``into``: target tensors by DCP key (``parts.targets(into)``).
+    ``into``: target tensors by DCP key (``parts.split(into).tensors``).
     ``device``: where the tensors that are not in ``into`` are made (default CPU).
     Every rank calls it for the same checkpoint.
     """
@@ -133,7 +133,8 @@ def load_checkpoint(ckpt: Path, man: Manifest, *, into: Any, group: RankGroup | 
     Raises :class:`CheckpointCorrupt` on every rank when any rank found damage.
     """
     ranks = Ranks(group.pg) if group is not None else Ranks(alone=True)
-    got, why = load_one(ckpt, man, targets(into) if into is not None else {}, ranks, trusted=trusted, config=config, device=device)
+    targets = split(into, allow_pickle=True, stored=False).tensors if into is not None else {}
+    got, why = load_one(ckpt, man, targets, ranks, trusted=trusted, config=config, device=device)
     if got is None:
         raise CheckpointCorrupt(f"{ckpt}: {why}", ckpt)
     return got.state
@@ -165,8 +166,6 @@ def _plan(ckpt: Path, man: Manifest | None, into: dict[str, Any], rank: int, tru
     tree = trees[src] if len(trees) > 1 else trees[0]
     wanted = list(dict.fromkeys(refs(tree)))
     _check_into(ckpt, into, wanted)
-    flipped: set[str] = set()  # NumPy arrays stored as their transpose
-    tensor_refs(tree, flipped)
     targets: dict[str, Any] = {}
     stored_key: dict[str, str] = {}
     for k in wanted:
@@ -174,7 +173,7 @@ def _plan(ckpt: Path, man: Manifest | None, into: dict[str, Any], rank: int, tru
         entry = index.get(key)
         if entry is None or "chunks" not in entry:
             raise CheckpointCorrupt(f"{ckpt}: tensor {key!r} missing from the manifest", ckpt)
-        targets[key] = _target(ckpt, k, entry, into, device, k in flipped)
+        targets[key] = _target(ckpt, k, entry, into, device)
     objects_blob = None
     objects_file = _small_file(man, OBJECTS_FILE)
     if objects_file is not None:
@@ -241,18 +240,14 @@ def _check_into(ckpt: Path, into: dict[str, Any], wanted: list[str]) -> None:
         )
 
 
-def _target(ckpt: Path, key: str, entry: dict[str, Any], into: dict[str, Any], device: Any,
-            flipped: bool = False) -> Any:  # fmt: skip
-    """The tensor that key ``key``'s bytes go into: ``into``'s (``flipped``: through its
-    transpose, for a NumPy array stored as its transpose), or a fresh one of the global shape."""
+def _target(ckpt: Path, key: str, entry: dict[str, Any], into: dict[str, Any], device: Any) -> Any:
+    """The tensor that key ``key``'s bytes go into: ``into``'s, or a fresh one of the global shape."""
     import torch
 
     shape = [int(d) for d in entry["shape"]]
     t = into.get(key)
     if t is None:
         return torch.empty(shape, dtype=torch_dtype(entry["dtype"]), device=device)
-    if flipped:
-        t = transposed(t)
     refuse_meta(ckpt, key, t)
     if list(t.shape) != shape:
         raise ValueError(f"cannot load {key!r} of {ckpt} into the tensor given for it: the checkpoint holds "

@@ -20,17 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..store.codec import (
-    array_tensor,
-    encode_state,
-    is_dtensor,
-    path_parts,
-    tensor_refs,
-    transposed,
-)
+from ..store.codec import array_tensor, encode_state, is_dtensor, path_parts
 from ..store.writer import OBJECTS_FILE, STATE_FILE
 
-__all__ = ["PER_RANK", "Prepared", "Ranks", "Split", "holds_dtensor", "prepare", "refs", "split", "targets"]
+__all__ = ["PER_RANK", "Prepared", "Ranks", "Split", "holds_dtensor", "prepare", "refs", "split"]
 
 PER_RANK = "#rank"
 """Suffix of a per-rank plain tensor's key: ``rng#rank3``."""
@@ -92,7 +85,7 @@ def split(state: Any, *, allow_pickle: bool = False, stored: bool = True) -> Spl
         key = (".".join(path_parts(path)) or ".").replace(PER_RANK, PER_RANK + "'")
         while key in tensors:
             key += "'"
-        tensors[key] = _as_tensor(t)
+        tensors[key] = _as_tensor(t, into=not stored)
         by_id[id(t)] = key
         return key
 
@@ -100,10 +93,18 @@ def split(state: Any, *, allow_pickle: bool = False, stored: bool = True) -> Spl
     return Split(enc.tree, tensors, enc.objects)
 
 
-def _as_tensor(t: Any) -> Any:
+def _as_tensor(t: Any, into: bool = False) -> Any:
     """A NumPy array (NumPy's RNG state) as a tensor: it is stored as a chunk like any
-    plain tensor, and the tree's ``$np`` gives it back as an array."""
-    return array_tensor(t) if type(t).__module__ == "numpy" else t
+    plain tensor, in C order, and the tree's ``$np`` gives it back as an array.
+    ``into``: the tensor to load it into, over the array's own memory in any order
+    (but a read-only one's, which is copied: a load must not write it)."""
+    if type(t).__module__ != "numpy":
+        return t
+    if into and t.flags.writeable:
+        import torch
+
+        return torch.from_numpy(t)
+    return array_tensor(t)
 
 
 def holds_dtensor(state: Any) -> bool:
@@ -124,15 +125,6 @@ def holds_dtensor(state: Any) -> bool:
     return False
 
 
-def targets(into: Any) -> dict[str, Any]:
-    """The tensors of an ``into=`` state by key, each NumPy array's in the array's own
-    shape (:func:`split` gives one in Fortran order as its transpose, as it is stored)."""
-    parts = split(into, allow_pickle=True, stored=False)
-    flipped: set[str] = set()
-    tensor_refs(parts.tree, flipped)
-    return {k: transposed(t) if k in flipped else t for k, t in parts.tensors.items()}
-
-
 def refs(tree: Any) -> Iterator[str]:
     """The tensor keys a tree refers to."""
     if isinstance(tree, list):
@@ -141,7 +133,7 @@ def refs(tree: Any) -> Iterator[str]:
     elif isinstance(tree, dict):
         if len(tree) == 1:
             ((tag, val),) = tree.items()
-            if tag in ("$t", "$np", "$npT"):
+            if tag in ("$t", "$np"):
                 yield val
                 return
         for v in tree.values():

@@ -352,12 +352,12 @@ def encode_state(
 
     def array_ref(a: Any, path: str) -> dict[str, Any]:
         refs[0] += 1
+        if refer is not None:  # DCP's chunks: in C order, the one order DCP reads a tensor's bytes in
+            return {"$np": refer(a, path)}
         # Arrays are stored whole, each on its own, as pickle stores them: in C
         # order, but for one in Fortran order (and not also in C order), which
         # pickle keeps so, and which is stored as its transpose, in C order.
         tag, whole = ("$npT", a.T) if a.flags.f_contiguous and not a.flags.c_contiguous else ("$np", a)
-        if refer is not None:
-            return {tag: refer(whole, path)}
         ref = memo.get(id(a))
         if ref is None:
             key = new_key(path)
@@ -580,13 +580,20 @@ def _instead(obj: Any) -> str:
     import enum
 
     def has(*names: str) -> bool:
-        return all(callable(getattr(obj, n, None)) for n in names)
+        try:  # a property or __getattr__ may raise anything: then it is not what is asked
+            return all(callable(getattr(obj, n, None)) for n in names)
+        except Exception:
+            return False
 
+    if isinstance(obj, type):  # a class: its methods are no instance's state
+        return "convert it to tensors and plain values"
     if has("state_dict", "load_state_dict"):  # a module, optimizer, scheduler, GradScaler
         return "store its state_dict() and restore it with load_state_dict()"
     if has("get_state", "set_state"):  # a torch.Generator, NumPy's RandomState
         return "store its get_state() and restore it with set_state()"
-    if hasattr(obj, "bit_generator"):  # np.random.default_rng()
+    if has("getstate", "setstate"):  # a random.Random
+        return "store its getstate() and restore it with setstate()"
+    if _package(obj) == "numpy" and type(obj).__name__ == "Generator":  # np.random.default_rng()
         return "store its bit_generator.state and restore it by assigning that"
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return "store dataclasses.asdict() of it"

@@ -378,7 +378,7 @@ def test_dcp_load_reads_a_checkpoint_of_the_checkpointer(tmp_path: Path) -> None
     target = {"model": model2.state_dict(), "optim": opt2.state_dict(), "sched": sched2.state_dict(), "step": 0,
               "rng": torch.zeros_like(state["rng"]), "tied": {"a": torch.zeros(6, 8)},
               "plain": {"size": None, "avg": None, "pair": None},
-              "arrays": {"c": torch.zeros(3, dtype=torch.float64), "t": torch.zeros(2, 3, dtype=torch.float64)}}  # fmt: skip
+              "arrays": {"c": torch.zeros(3, dtype=torch.float64)}}  # fmt: skip
     r = StorageReader(tmp_path / "run")
     dcp.load(target, storage_reader=r)
     model2.load_state_dict(target["model"])
@@ -393,9 +393,13 @@ def test_dcp_load_reads_a_checkpoint_of_the_checkpointer(tmp_path: Path) -> None
     assert type(plain["size"]) is torch.Size and plain["size"] == (2, 3)
     assert type(plain["avg"]) is np.float32 and plain["avg"] == np.float32(0.1)
     assert type(plain["pair"]) is tuple and type(plain["pair"][1]) is np.int64
-    # Arrays as the tensors they are stored as: one in Fortran order as its transpose.
+    # An array as the tensor it is stored as; not one in Fortran order, stored as its
+    # transpose, which a square one would otherwise fill a tensor with silently.
     assert np.array_equal(target["arrays"]["c"].numpy(), state["arrays"]["c"])
-    assert np.array_equal(target["arrays"]["t"].numpy(), state["arrays"]["t"].T)
+    fortran = {"arrays": {"t": torch.zeros(3, 2, dtype=torch.float64)}}
+    with pytest.raises(BaseException, match=r"'arrays\.t' is or holds a NumPy array in Fortran order.*load_latest"):
+        dcp.load(fortran, storage_reader=StorageReader(tmp_path / "run"))
+    assert not fortran["arrays"]["t"].any()
     # Each data file is read whole once, to check it against the manifest's crc32.
     assert r.bytes_read >= sum(rec.size for n, rec in verify_checkpoint(tmp_path / "run" / "step-000000007").files.items()
                                if n.endswith(".safetensors"))  # fmt: skip

@@ -11,6 +11,7 @@ import functools
 import io
 import json
 import math
+import random
 import re
 import struct
 import subprocess
@@ -559,6 +560,11 @@ class _Config:
     pass
 
 
+class _Lazy:
+    def __getattr__(self, name: str) -> Any:
+        raise KeyError(name)  # a config that looks names up: not an AttributeError
+
+
 @dataclasses.dataclass
 class TrainConfig:
     lr: float = 0.1
@@ -584,7 +590,10 @@ def _objects_with_a_safe_part() -> dict[str, tuple[Any, str]]:
         "budget": (datetime.timedelta(hours=4), "store its total_seconds()"),
         "frozen": (frozenset({1}), "store set() of it"),
         "recent": (collections.deque([1, 2], maxlen=10), "store list() of it"),
+        "python_random": (random.Random(1), "store its getstate() and restore it with setstate()"),
         "other": (_Config(), "convert it to tensors and plain values"),
+        "lazy": (_Lazy(), "convert it to tensors and plain values"),
+        "a_class": (torch.nn.Linear, "convert it to tensors and plain values"),
     }
 
 

@@ -175,12 +175,19 @@ def test_a_dtensor_state_keeps_numpy_arrays_and_tensors_inside_tuples_and_namesp
     s = {"w": distribute_tensor(torch.arange(8.0), one_rank, [Shard(0)]), "np": rng, "py": random.getstate(),
          "pair": (torch.arange(3.0), 3), "args": argparse.Namespace(lr=0.1, mask=torch.ones(2)),
          "best": np.array(0.25), "proj": np.arange(6.0).reshape(2, 3).T}  # fmt: skip
+    frozen = np.arange(8.0).reshape(4, 2).T  # in Fortran order too, read-only, of another shape
+    frozen.flags.writeable = False
+    s.update(frozen=frozen, twice=[s["proj"], s["proj"]])
     want = np.random.rand(3)
     with Checkpointer(run_dir, scratch=False) as ck:
         ck.save(s, step=1)
-        proj = np.zeros((3, 2))  # in C order: filled through its transpose
-        got = ck.load_latest(into={"w": distribute_tensor(torch.zeros(8), one_rank, [Shard(0)]), "proj": proj})
-    assert np.array_equal(proj, s["proj"]) and np.shares_memory(got["proj"], proj)
+        # into= arrays in either order: read into their own memory.
+        proj, best = np.zeros((3, 2)), np.zeros(())
+        frozen_into = np.zeros((2, 4), order="F")
+        got = ck.load_latest(into={"w": distribute_tensor(torch.zeros(8), one_rank, [Shard(0)]), "proj": proj,
+                                   "frozen": frozen_into, "best": best})  # fmt: skip
+    for key, target in (("proj", proj), ("frozen", frozen_into), ("best", best)):
+        assert np.array_equal(target, s[key]) and np.shares_memory(got[key], target), key
     loaded = sharded.load(run_dir)
     assert loaded is not None
     for state in (got, loaded.state):
@@ -190,9 +197,10 @@ def test_a_dtensor_state_keeps_numpy_arrays_and_tensors_inside_tuples_and_namesp
         assert torch.equal(state["pair"][0], torch.arange(3.0)) and state["pair"][1] == 3
         assert type(state["args"]) is argparse.Namespace and torch.equal(state["args"].mask, torch.ones(2))
         assert state["best"].shape == () and state["best"] == 0.25
-        assert np.array_equal(state["proj"], s["proj"])
-    # In Fortran order, as pickle keeps a transposed array (but where into= gave another array).
-    assert loaded.state["proj"].flags.f_contiguous and loaded.state["proj"].strides == s["proj"].strides
+        assert np.array_equal(state["proj"], s["proj"]) and np.array_equal(state["frozen"], frozen)
+        assert state["twice"][0] is state["twice"][1] and np.array_equal(state["twice"][0], s["proj"])
+    # Stored as DCP reads a tensor's bytes, in C order (a plain Checkpointer.save keeps Fortran order).
+    assert loaded.state["proj"].flags.c_contiguous
     # dcp.load cannot be given a value holding tensors or arrays: refused before anything is read.
     import torch.distributed.checkpoint as dcp
 
