@@ -96,15 +96,9 @@ def split(state: Any, *, allow_pickle: bool = False, stored: bool = True) -> Spl
 def _as_tensor(t: Any, into: bool = False) -> Any:
     """A NumPy array (NumPy's RNG state) as a tensor: it is stored as a chunk like any
     plain tensor, in C order, and the tree's ``$np`` gives it back as an array.
-    ``into``: the tensor to load it into, over the array's own memory in any order
-    (but a read-only one's, which is copied: a load must not write it)."""
-    if type(t).__module__ != "numpy":
-        return t
-    if into and t.flags.writeable:
-        import torch
-
-        return torch.from_numpy(t)
-    return array_tensor(t)
+    ``into``: the tensor to load it into, over the array's own memory wherever torch
+    can view that (see ``array_tensor``)."""
+    return array_tensor(t, into) if type(t).__module__ == "numpy" else t
 
 
 def holds_dtensor(state: Any) -> bool:

@@ -361,7 +361,7 @@ def encode_state(
         ref = memo.get(id(a))
         if ref is None:
             key = new_key(path)
-            t = array_tensor(whole)
+            t = array_tensor(whole, into=not stored)
             out.leaves[key] = t
             entry(key, t)
             ref = memo[id(a)] = {tag: key}
@@ -575,18 +575,26 @@ def _plain_note(obj: Any, path: str) -> str:
 
 def _instead(obj: Any) -> str:
     """What to store in place of ``obj``, a value with no safe form: the fix its refusal names."""
+    try:
+        usual = _usual_part(obj)
+    except Exception:  # a property, __getattr__ or metaclass may raise anything: no hint then
+        usual = None
+    return usual or "convert it to tensors and plain values"
+
+
+def _usual_part(obj: Any) -> str | None:
+    """The usual thing to store of an object like ``obj``, where there is one."""
     import dataclasses
     import datetime
     import enum
+    import random
+    import types
 
     def has(*names: str) -> bool:
-        try:  # a property or __getattr__ may raise anything: then it is not what is asked
-            return all(callable(getattr(obj, n, None)) for n in names)
-        except Exception:
-            return False
+        return all(callable(getattr(obj, n, None)) for n in names)
 
-    if isinstance(obj, type):  # a class: its methods are no instance's state
-        return "convert it to tensors and plain values"
+    if isinstance(obj, (type, types.ModuleType, random.SystemRandom)):  # no state of their own to store
+        return None
     if has("state_dict", "load_state_dict"):  # a module, optimizer, scheduler, GradScaler
         return "store its state_dict() and restore it with load_state_dict()"
     if has("get_state", "set_state"):  # a torch.Generator, NumPy's RandomState
@@ -595,7 +603,7 @@ def _instead(obj: Any) -> str:
         return "store its getstate() and restore it with setstate()"
     if _package(obj) == "numpy" and type(obj).__name__ == "Generator":  # np.random.default_rng()
         return "store its bit_generator.state and restore it by assigning that"
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    if dataclasses.is_dataclass(obj):
         return "store dataclasses.asdict() of it"
     if isinstance(obj, tuple) and has("_asdict"):  # a named tuple
         return "store its _asdict() or tuple() of it"
@@ -609,7 +617,7 @@ def _instead(obj: Any) -> str:
         return "store set() of it"
     if isinstance(obj, deque):
         return "store list() of it"
-    return "convert it to tensors and plain values"
+    return None
 
 
 def _a(noun: str) -> str:
@@ -738,12 +746,15 @@ def transposed(t: Any) -> Any:
     return t.permute(*reversed(range(t.dim())))
 
 
-def array_tensor(a: Any) -> Any:
+def array_tensor(a: Any, into: bool = False) -> Any:
     """A tensor over a NumPy array's memory, to store it: of its shape (0-d too), and
     over a copy where the array is not C-contiguous or not writable (a load ``into=``
-    writes through it)."""
+    writes through it). ``into``: the tensor to load into the array, over its own
+    memory in any order where torch can view that (writable, no negative strides)."""
     import torch
 
+    if into and a.flags.writeable and all(s >= 0 for s in a.strides):
+        return torch.from_numpy(a)
     if not (a.flags.c_contiguous and a.flags.writeable):
         a = a.copy(order="C")
     return torch.from_numpy(a)

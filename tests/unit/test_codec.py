@@ -366,9 +366,13 @@ def test_numpy_arrays_keep_their_order_as_torch_load_gives_them(tmp_path: Path) 
         assert got["same"][0] is got["same"][1] and layout(got["same"][0]) == layout(fortran)
     with Checkpointer(tmp_path, keep=1) as ck:
         ck.save(state, step=1)
-        # into= arrays in either order, whichever order was saved: read into their memory.
-        into = {"t": np.zeros((4, 3), order="F"), "f": np.zeros((2, 3, 4), np.int32), "c": np.zeros((3, 4), order="F")}
+        # into= arrays in any order, whichever order was saved: read into their memory.
+        into = {"t": np.zeros((4, 3), order="F"), "f": np.zeros((2, 3, 4), np.int32), "c": np.zeros((3, 4), order="F"),
+                "strided": np.zeros((3, 4))[:, ::2]}  # fmt: skip
         got = ck.load_latest(into=into)
+        # Negative strides, which torch cannot view: loaded, as into a read-only one, into a copy.
+        reversed_row = np.zeros((1, 6))[:, ::-2]
+        assert np.array_equal(ck.load_latest(into={"row": reversed_row})["row"], state["row"])
     for key, target in into.items():
         assert np.array_equal(target, state[key]) and np.shares_memory(got[key], target), key
     assert layout(got["t"]) == layout(want["t"])
@@ -565,6 +569,15 @@ class _Lazy:
         raise KeyError(name)  # a config that looks names up: not an AttributeError
 
 
+class _Strict(type):
+    def __getattr__(cls, name: str) -> Any:
+        raise KeyError(name)
+
+
+class _OfAStrictClass(metaclass=_Strict):
+    pass
+
+
 @dataclasses.dataclass
 class TrainConfig:
     lr: float = 0.1
@@ -594,6 +607,9 @@ def _objects_with_a_safe_part() -> dict[str, tuple[Any, str]]:
         "other": (_Config(), "convert it to tensors and plain values"),
         "lazy": (_Lazy(), "convert it to tensors and plain values"),
         "a_class": (torch.nn.Linear, "convert it to tensors and plain values"),
+        "of_a_strict_class": (_OfAStrictClass(), "convert it to tensors and plain values"),
+        "system_random": (random.SystemRandom(), "convert it to tensors and plain values"),  # it has no state
+        "a_module": (random, "convert it to tensors and plain values"),
     }
 
 

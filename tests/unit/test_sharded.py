@@ -188,6 +188,8 @@ def test_a_dtensor_state_keeps_numpy_arrays_and_tensors_inside_tuples_and_namesp
                                    "frozen": frozen_into, "best": best})  # fmt: skip
     for key, target in (("proj", proj), ("frozen", frozen_into), ("best", best)):
         assert np.array_equal(target, s[key]) and np.shares_memory(got[key], target), key
+    reversed_rows = np.zeros((6, 2))[::-2]  # negative strides, which torch cannot view: loaded into a copy
+    assert np.array_equal(sharded.load(run_dir, into={"proj": reversed_rows}).state["proj"], s["proj"])
     loaded = sharded.load(run_dir)
     assert loaded is not None
     for state in (got, loaded.state):
