@@ -153,9 +153,10 @@ def st_dtype(dtype: Any, where: str = "") -> str:
         name = str(dtype).removeprefix("torch.")
         if name.startswith(("qint", "quint")):
             # Not the bytes' view, as for the others: .view() of a quantized tensor kills the process.
-            fix = ("store t.int_repr() and its quantization (t.q_scale() and t.q_zero_point(), or "
-                   "t.q_per_channel_scales(), t.q_per_channel_zero_points() and t.q_per_channel_axis()) "
-                   "and quantize again after loading, or store t.dequantize()")  # fmt: skip
+            # Not int_repr() either: the 4- and 2-bit dtypes' packs two or four values a byte.
+            fix = ("store t.dequantize() and its quantization (t.q_scale() and t.q_zero_point(), or "
+                   "t.q_per_channel_scales(), t.q_per_channel_zero_points() and t.q_per_channel_axis()), "
+                   "and quantize it again with those after loading, which gives back the same integers")  # fmt: skip
         else:
             fix = (f"store a copy of its bytes, t.contiguous().view(torch.uint8), and view them back "
                    f"with .view(torch.{name}) after loading, or cast it")  # fmt: skip
