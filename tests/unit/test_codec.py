@@ -539,30 +539,35 @@ def test_a_quantized_tensor_is_refused_naming_a_fix_that_does_not_crash(tmp_path
     # The bytes' view the other refused dtypes are told to store kills the process for
     # these (a segfault in torch 2.13): the message names their own parts instead.
     q = torch.quantize_per_tensor(torch.randn(6), 0.05, 3, torch.quint8)
-    nibbles = torch.quantize_per_tensor(torch.rand(6), 0.07, 1, torch.quint4x2)  # int_repr() packs two a byte
+    wide = torch._make_per_tensor_quantized_tensor(torch.tensor([30_000_001, -5], dtype=torch.int32), 0.5, 0)
     per_channel = torch.quantize_per_channel(torch.randn(2, 3), torch.tensor([0.1, 0.2]), torch.tensor([0, 1]), 0,
                                              torch.qint8)  # fmt: skip
+    nibbles = torch.quantize_per_tensor(torch.rand(6), 0.07, 1, torch.quint4x2)  # int_repr() packs two a byte
     with Checkpointer(tmp_path) as ck:
-        for key, t in (("q", q), ("nibbles", nibbles), ("pc", per_channel)):
+        for key, t, part in (("q", q, "int_repr"), ("wide", wide, "int_repr"), ("pc", per_channel, "int_repr"),
+                             ("nibbles", nibbles, "dequantize")):  # fmt: skip
             with pytest.raises(UnsupportedValue, match=rf"^/{key}: tensor dtype {str(t.dtype)[6:]} cannot be "
-                                                       r"stored: store t\.dequantize\(\) and its quantization") as e:  # fmt: skip
+                                                       rf"stored: store t\.{part}\(\) and its quantization") as e:  # fmt: skip
                 ck.save({key: t}, step=1)
             assert ".view(" not in str(e.value)
-        # What the message says: the values and the quantization, quantized again once loaded.
-        ck.save({"q": {"values": q.dequantize(), "scale": q.q_scale(), "zero_point": q.q_zero_point()},
-                 "nibbles": {"values": nibbles.dequantize(), "scale": nibbles.q_scale(),
-                             "zero_point": nibbles.q_zero_point()},
-                 "pc": {"values": per_channel.dequantize(), "scales": per_channel.q_per_channel_scales(),
-                        "zero_points": per_channel.q_per_channel_zero_points(),
-                        "axis": per_channel.q_per_channel_axis()}}, step=1)  # fmt: skip
+        # What the messages say: the integers (or values) and the quantization, rebuilt once loaded.
+        ck.save({"q": [q.int_repr(), q.q_scale(), q.q_zero_point()],
+                 "wide": [wide.int_repr(), wide.q_scale(), wide.q_zero_point()],
+                 "pc": [per_channel.int_repr(), per_channel.q_per_channel_scales(),
+                        per_channel.q_per_channel_zero_points(), per_channel.q_per_channel_axis()],
+                 "nibbles": [nibbles.dequantize(), nibbles.q_scale(), nibbles.q_zero_point()]}, step=1)  # fmt: skip
         got = ck.load_latest()
-    back = {key: torch.quantize_per_tensor(got[key]["values"], got[key]["scale"], got[key]["zero_point"], was.dtype)
-            for key, was in (("q", q), ("nibbles", nibbles))}  # fmt: skip
-    pc = got["pc"]
-    back["pc"] = torch.quantize_per_channel(pc["values"], pc["scales"], pc["zero_points"], pc["axis"], torch.qint8)
-    for was, now in ((q, back["q"]), (nibbles, back["nibbles"]), (per_channel, back["pc"])):
-        assert now.dtype == was.dtype and now.qscheme() == was.qscheme()
-        assert torch.equal(now.int_repr(), was.int_repr()) and torch.equal(now.dequantize(), was.dequantize())
+    back = {"q": torch._make_per_tensor_quantized_tensor(*got["q"]),
+            "wide": torch._make_per_tensor_quantized_tensor(*got["wide"]),
+            "pc": torch._make_per_channel_quantized_tensor(*got["pc"]),
+            "nibbles": torch.quantize_per_tensor(*got["nibbles"], torch.quint4x2)}  # fmt: skip
+    for key, was in (("q", q), ("wide", wide), ("pc", per_channel), ("nibbles", nibbles)):
+        now = back[key]
+        assert now.dtype == was.dtype and now.qscheme() == was.qscheme(), key
+        assert torch.equal(now.int_repr(), was.int_repr()) and torch.equal(now.dequantize(), was.dequantize()), key
+    # Why not dequantize() for the others: float32 cannot hold every qint32.
+    lossy = torch.quantize_per_tensor(wide.dequantize(), wide.q_scale(), wide.q_zero_point(), torch.qint32)
+    assert not torch.equal(lossy.int_repr(), wide.int_repr())
 
 
 class _Config:
