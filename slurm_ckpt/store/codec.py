@@ -819,10 +819,10 @@ def _torch() -> Any:
     return torch
 
 
-def tensor_refs(tree: Any, transposed: set[str] | None = None) -> dict[str, dict[str, Any] | None]:
+def tensor_refs(tree: Any, flipped: set[str] | None = None) -> dict[str, dict[str, Any] | None]:
     """Every tensor object a tree refers to, by key: its ``$view`` record, or
     None for one stored whole (``$t``, ``$np``, ``$npT``: the data file's header
-    says its dtype and shape). ``transposed`` gets the keys of the ``$npT`` ones."""
+    says its dtype and shape). ``flipped`` gets the keys of the ``$npT`` ones."""
     out: dict[str, dict[str, Any] | None] = {}
 
     def walk(obj: Any) -> None:
@@ -834,8 +834,8 @@ def tensor_refs(tree: Any, transposed: set[str] | None = None) -> dict[str, dict
                 (tag, val), = obj.items()
                 if tag in ("$t", "$np", "$npT"):
                     out[val] = None
-                    if tag == "$npT" and transposed is not None:
-                        transposed.add(val)
+                    if tag == "$npT" and flipped is not None:
+                        flipped.add(val)
                     return
                 if tag == "$view":
                     out[val["key"]] = val
