@@ -361,8 +361,10 @@ def encode_state(
             return {"$np": refer(a, path)}
         # Arrays are stored whole, each on its own, as pickle stores them: in C
         # order, but for one in Fortran order (and not also in C order), which
-        # pickle keeps so, and which is stored as its transpose, in C order.
-        tag, whole = ("$npT", a.T) if a.flags.f_contiguous and not a.flags.c_contiguous else ("$np", a)
+        # pickle keeps so, and which is stored as its transpose, in C order. An
+        # into= target is taken in its own shape: the loader turns it to the saved one.
+        fortran = stored and a.flags.f_contiguous and not a.flags.c_contiguous
+        tag, whole = ("$npT", a.T) if fortran else ("$np", a)
         ref = memo.get(id(a))
         if ref is None:
             key = new_key(path)
@@ -908,11 +910,11 @@ def decode_state(
             moved[entry, device] = _to_device(base, device, key, saved)
         return moved[entry, device]
 
-    def array(key: str, transposed: bool) -> Any:
-        if (key, transposed) not in arrays:
+    def array(key: str, flip: bool) -> Any:
+        if (key, flip) not in arrays:
             a = filled(key, tensor(key)).numpy()
-            arrays[key, transposed] = a.T if transposed else a
-        return arrays[key, transposed]
+            arrays[key, flip] = a.T if flip else a
+        return arrays[key, flip]
 
     def dec(obj: Any) -> Any:
         nonlocal objects

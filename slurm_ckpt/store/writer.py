@@ -186,15 +186,12 @@ def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict
         return {}, set()
     # A tensor that matches nothing would silently keep its old values, and a
     # trainer that relies on into= would train on from them: refuse up front.
-    mine = encode_state(into, allow_pickle=True, prepare=lambda t: t, stored=False)
-    targets = mine.leaves
-    saved_t: set[str] = set()
-    saved = tensor_refs(tree, saved_t)
-    mine_t: set[str] = set()
-    tensor_refs(mine.tree, mine_t)
-    for key in (saved_t ^ mine_t) & targets.keys():
-        # A NumPy array in the other order than the saved one (C, Fortran): stored as
-        # its transpose, one of the two is filled through the transpose of the other.
+    targets = encode_state(into, allow_pickle=True, prepare=lambda t: t, stored=False).leaves
+    flipped: set[str] = set()
+    saved = tensor_refs(tree, flipped)
+    for key in flipped & targets.keys():
+        # A NumPy array saved in Fortran order is stored as its transpose: the target
+        # (in its own shape, whatever its order) is filled through its transpose.
         targets[key] = transposed(targets[key])
     missing = sorted(set(targets) - set(saved))
     if missing:
