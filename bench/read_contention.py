@@ -22,7 +22,9 @@ raw    of the checkpoint's own data file, the same way: the same bytes on the
        verified read does: the floor for a reader that checksums)
 engine ``read_tensor_file(into=)`` the state's own tensors (the reader as it
        is: each tensor's whole 2 MiB pages read in place, and the up to 2 MiB
-       at each end, on 4 KiB pages, through a bounce buffer, which copies them)
+       at each end, on 4 KiB pages, through a bounce buffer, which copies
+       them; ``READ_DEPTH`` reads in flight)
+       the same with 4 reads in flight (two per core on a 2-core machine)
        the same with the ends' whole 4 KiB pages read in place too (no copy,
        but the pages cost what the line into 4 KiB pages shows)
        ``Checkpointer.load_latest(into=)``, both ways
@@ -184,6 +186,7 @@ def _measure(state: Any, ck: Checkpointer, out: Path, reps: int) -> tuple[dict[s
         ("raw, beside a crc32 loop over 256 MiB", lambda: _beside(lambda: crc32(streamed), raw, out)),
         ("raw, each piece checksummed as it lands", lambda: timed(lambda: checksummed_raw(raw, out))),
         ("engine into= the state's tensors", lambda: timed(in_place)),
+        ("engine, 4 reads in flight", lambda: timed(lambda: reader.read_tensor_file(data, rec, into=mine, threads=4))),
         ("engine, the ends' whole 4 KiB pages in place", lambda: timed(with_ends_in_place(in_place))),
         ("load_latest(into=) the state", lambda: timed(loaded)),
         ("load_latest, the ends' whole 4 KiB pages in place", lambda: timed(with_ends_in_place(loaded))),

@@ -60,7 +60,7 @@ from .forked import ForkedWriter, frozen_by_fork
 from .handle import SaveHandle
 from .job import ForkJob, ImageJob, SaveJob, ThreadCopyJob
 from .layout import FileImage, plan_file
-from .reader import read_tensor_file
+from .reader import READ_DEPTH, read_tensor_file
 from .staging import Pair, Staging, available_memory, copy_pairs, is_cuda
 from .writer import write_image
 
@@ -118,6 +118,10 @@ class Engine:
     @property
     def threads(self) -> int:
         return self.cfg.threads or default_threads()
+
+    @property
+    def read_threads(self) -> int:
+        return self.cfg.threads or READ_DEPTH  # not by cores: see reader.READ_DEPTH
 
     def write_image(self, path: Path, image: FileImage) -> FileRecord:
         return write_image(path, image, threads=self.threads, chunk=self.cfg.chunk_size, direct=self.cfg.direct_io)
@@ -246,7 +250,7 @@ class Engine:
             raise ValueError("into= and mmap=True do not mix: mmap maps the file, into= reads into your tensors")
         import torch
 
-        read = functools.partial(read_tensor_file, threads=self.threads, chunk=self.cfg.chunk_size, use_mmap=mmap)
+        read = functools.partial(read_tensor_file, threads=self.read_threads, chunk=self.cfg.chunk_size, use_mmap=mmap)
         # no_grad: into= may hold parameters, which need grad (named_parameters()),
         # and are copied into as load_state_dict copies into them.
         with gc_paused(), torch.no_grad():

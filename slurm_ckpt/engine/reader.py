@@ -56,7 +56,13 @@ from ..store.crc import crc32, crc32_combine, crc32_of_chunks, crc_threads
 from ..store.tensorfile import CHECKSUM, FileRecord, read_header
 from .buffers import ALIGN, HUGE, TORCH_ALIGN, address_of, huge_buffer, memory_view, pool, populate
 
-__all__ = ["open_direct", "read_tensor_file", "read_through_bounce"]
+__all__ = ["READ_DEPTH", "open_direct", "read_tensor_file", "read_through_bounce"]
+
+READ_DEPTH = 8
+"""Reads in flight by default, whatever the core count: a reading thread waits
+on the device, not on a core (the crcs are taken on threads of their own), and
+the device streams faster the more reads it has in hand (``python
+bench/read_contention.py`` compares 4 with 8)."""
 
 
 def read_tensor_file(
@@ -64,7 +70,7 @@ def read_tensor_file(
     expected: FileRecord,
     *,
     verify: bool = True,
-    threads: int = 4,
+    threads: int = READ_DEPTH,
     chunk: int = 8 << 20,
     use_mmap: bool = False,
     device: Any = None,

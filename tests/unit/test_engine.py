@@ -360,6 +360,28 @@ def test_every_mode_commits_the_same_readable_checkpoint(tmp_path: Path, mode: s
     assert_same(load_state(path, man), want)  # the reference reader
 
 
+def test_a_load_keeps_eight_reads_in_flight_whatever_the_cores_unless_threads_are_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import slurm_ckpt.engine as engine_module
+    from slurm_ckpt.engine import reader
+
+    depths: list[int] = []
+    real = reader._parallel
+    monkeypatch.setattr(reader, "_parallel", lambda n, work, threads: depths.append(threads) or real(n, work, threads))
+    monkeypatch.setattr(engine_module.os, "sched_getaffinity", lambda pid: {0})  # one core: 2 write threads
+    state = {"w": torch.randn(1 << 20)}
+    for cfg, want in ((EngineConfig(), 8), (EngineConfig(threads=3), 3)):
+        eng = Engine(cfg)
+        job = eng.job(state)
+        try:
+            path = commit(tmp_path, want, job.write, nbytes=job.nbytes)
+        finally:
+            job.close()
+        assert_same(eng.load(path, verify_checkpoint(path)), state)
+        assert depths[-1] == want and eng.threads == (2 if want == 8 else 3)
+
+
 def test_a_fork_snapshot_after_staged_ones_writes_the_state_not_the_wiped_buffers(tmp_path: Path) -> None:
     # auto falls back to fork once a grown state no longer fits a staging copy,
     # in an engine whose staging and bounce buffers a forked child sees as zeros.
@@ -724,6 +746,28 @@ def test_into_reads_straight_into_the_callers_tensors_and_nowhere_else(
     assert w.data_ptr() == raw.data_ptr() + at
     assert_same(got, {"w": src, "b": state["b"], "h": state["h"]})
     assert bool((raw[:at] == 0xA5).all()) and bool((raw[at + n :] == 0xA5).all())
+
+
+def test_a_read_cut_short_goes_on_from_where_it_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from slurm_ckpt.engine import reader
+
+    # preadv may return fewer bytes than asked (a signal, a network filesystem):
+    # here every call is cut to 5000 bytes.
+    data = os.urandom(20_000)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    real = os.preadv
+    monkeypatch.setattr(reader.os, "preadv", lambda fd, bufs, off: real(fd, [bufs[0][:5000]], off))
+    buf = bytearray(len(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        reader._read_exactly(fd, path, memoryview(buf), 0, len(data))
+        assert buf == data
+        with pytest.raises(CheckpointCorrupt, match="unexpected end of file at byte 20000"):
+            reader._read_exactly(fd, path, memoryview(bytearray(20_100)), 0, 20_001)
+        reader._read_exactly(fd, path, memoryview(bytearray(20_100)), 0, 20_000)  # EOF may cut what is not needed
+    finally:
+        os.close(fd)
 
 
 def test_into_splits_the_bytes_exactly_once_in_file_order() -> None:
