@@ -294,6 +294,7 @@ def encode_state(
     plain: list[str] = []  # what was stored as a plain value, by path (a dict subclass as a dict)
     torch_mod = sys.modules.get("torch")  # no tensor without it
     tensor_type, strided = getattr(torch_mod, "Tensor", None), getattr(torch_mod, "strided", None)
+    lazy = getattr(getattr(getattr(torch_mod, "nn", None), "parameter", None), "UninitializedTensorMixin", ())
     memo: dict[int, dict[str, Any]] = {}  # id(tensor or array) -> its tag object
     refs = [0]  # tensor, array and pickle references made so far (a set may hold none)
     attributed: set[int] = set()  # id(tensor) of those with Python attributes, said once
@@ -314,6 +315,20 @@ def encode_state(
 
     def tensor_ref(t: Any, path: str) -> dict[str, Any]:
         refs[0] += 1
+        if isinstance(t, lazy):
+            # A lazy module's parameter before its first forward: no shape and no
+            # memory yet, and torch raises, naming neither the place nor the fix,
+            # at any look at its storage.
+            if stored:
+                raise UnsupportedValue(
+                    f"{path or '/'}: an uninitialized parameter or buffer of a lazy module (nn.LazyLinear, say) has "
+                    "no data to save: run one forward pass (a dummy batch) before the first save"
+                )
+            raise ValueError(
+                f"into= holds an uninitialized parameter or buffer of a lazy module (nn.LazyLinear, say) at {path or '/'}, "
+                "which has no memory to load into: load without into= and pass the result to "
+                "model.load_state_dict(), which initializes it"
+            )
         if stored and t.is_meta:
             # No memory behind it: its bytes would be read from address 0. torch.save
             # keeps only its shape, so a resume would train on from weights never saved.

@@ -227,6 +227,21 @@ def test_into_a_model_on_the_meta_device_is_refused_with_the_way_to_load_it(tmp_
     assert torch.equal(meta.weight, model.weight) and not meta.weight.is_meta
 
 
+def test_into_a_lazy_module_not_yet_run_is_refused_with_the_way_to_load_it(tmp_path: Path) -> None:
+    # Its parameters have no shape and no memory until its first forward, and torch
+    # raised at the first look at their storage, naming neither the key nor the fix.
+    torch.manual_seed(0)
+    model = torch.nn.LazyLinear(4)
+    model(torch.randn(2, 3))
+    saved({"model": model.state_dict()}, tmp_path)
+    fresh = torch.nn.LazyLinear(4)
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        with pytest.raises(ValueError, match=r"lazy module.* at /model/weight.*load_state_dict"):
+            ck.load_latest(into={"model": fresh.state_dict()})
+        fresh.load_state_dict(ck.load_latest()["model"])  # the way the message names
+    assert not torch.nn.parameter.is_lazy(fresh.weight) and torch.equal(fresh.weight, model.weight)
+
+
 def test_into_the_model_s_parameters_loads_them_as_load_state_dict_does(tmp_path: Path) -> None:
     # dict(model.named_parameters()) holds leaves that need grad: copying into one
     # outside no_grad raises, as it would for a trainer's own copy_.
