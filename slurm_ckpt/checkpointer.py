@@ -325,8 +325,8 @@ class Checkpointer:
         returned state holds them. Large CPU tensors are read straight into their
         memory: no second copy of the state, no fresh memory. A tensor of another
         dtype is cast, as ``load_state_dict`` casts. A tensor of ``into``
-        that the checkpoint lacks, whose shape differs, or on the meta
-        device, raises ``ValueError`` before anything is read; a checkpoint tensor that ``into``
+        that the checkpoint lacks, whose shape differs, on the meta device, or
+        a lazy module's not yet run, raises ``ValueError`` before anything is read; a checkpoint tensor that ``into``
         lacks is loaded into fresh memory. If a checkpoint fails its checksum,
         tensors already read hold part of it until an older checkpoint is loaded
         over them (and if no valid one is left, this returns None and they keep

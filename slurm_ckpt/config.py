@@ -246,7 +246,8 @@ SNAPSHOTS = ("auto", "overlap", "copy", "fork", "lazy")
 @dataclass(frozen=True)
 class EngineConfig:
     threads: int = 0
-    """I/O threads for writes and reads; 0 picks two per core (2 to 8) for writes, and 8 for reads."""
+    """I/O threads for writes and reads; 0 picks two per core (2 to 8), but 8 for the reads of a
+    load that is neither sharded (DTensor, DCP) nor mmap=True."""
     chunk_size: Size = Size(8 * 1024**2)
     """Bytes per write or read call (a multiple of 4 KiB); chunks are checksummed separately."""
     direct_io: bool = True
@@ -264,7 +265,7 @@ class EngineConfig:
         if self.chunk_size <= 0 or self.chunk_size % 4096:
             raise ConfigError("engine.chunk_size must be a positive multiple of 4KiB, e.g. 8M")
         if self.threads < 0:
-            raise ConfigError("engine.threads must be >= 0 (0 picks: two per core for writes, 8 for reads)")
+            raise ConfigError("engine.threads must be >= 0 (0 picks by core count, 8 for plain loads' reads)")
 
     def torch_env(self, env: MutableMapping[str, str]) -> None:
         """Ask torch for huge pages in ``env`` (a trainer's, or the bench's own), unless

@@ -250,7 +250,9 @@ class Engine:
             raise ValueError("into= and mmap=True do not mix: mmap maps the file, into= reads into your tensors")
         import torch
 
-        read = functools.partial(read_tensor_file, threads=self.read_threads, chunk=self.cfg.chunk_size, use_mmap=mmap)
+        # A mapped file's threads are not waiting on reads: each checksums the mapping, on a core.
+        threads = self.threads if mmap else self.read_threads
+        read = functools.partial(read_tensor_file, threads=threads, chunk=self.cfg.chunk_size, use_mmap=mmap)
         # no_grad: into= may hold parameters, which need grad (named_parameters()),
         # and are copied into as load_state_dict copies into them.
         with gc_paused(), torch.no_grad():

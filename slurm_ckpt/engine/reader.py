@@ -62,7 +62,8 @@ READ_DEPTH = 8
 """Reads in flight by default, whatever the core count: a reading thread waits
 on the device, not on a core (the crcs are taken on threads of their own), and
 the device streams faster the more reads it has in hand (``python
-bench/read_contention.py`` compares 4 with 8)."""
+bench/read_contention.py`` compares 4 with 8). Not for ``use_mmap``, whose
+threads each checksum the mapping: the engine passes its core-based count there."""
 
 
 def read_tensor_file(

@@ -317,8 +317,8 @@ def encode_state(
         refs[0] += 1
         if isinstance(t, lazy):
             # A lazy module's parameter before its first forward: no shape and no
-            # memory yet, and torch raises, naming neither the place nor the fix,
-            # at any look at its storage.
+            # memory yet, and torch raises at any look at its storage, without
+            # saying where in the state it is.
             if stored:
                 raise UnsupportedValue(
                     f"{path or '/'}: an uninitialized parameter or buffer of a lazy module (nn.LazyLinear, say) has "
@@ -326,8 +326,8 @@ def encode_state(
                 )
             raise ValueError(
                 f"into= holds an uninitialized parameter or buffer of a lazy module (nn.LazyLinear, say) at {path or '/'}, "
-                "which has no memory to load into: load without into= and pass the result to "
-                "model.load_state_dict(), which initializes it"
+                "which has no memory to load into: load without into= and pass the module's part of the "
+                "result to its load_state_dict(), which initializes it"
             )
         if stored and t.is_meta:
             # No memory behind it: its bytes would be read from address 0. torch.save

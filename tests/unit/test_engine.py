@@ -360,7 +360,7 @@ def test_every_mode_commits_the_same_readable_checkpoint(tmp_path: Path, mode: s
     assert_same(load_state(path, man), want)  # the reference reader
 
 
-def test_a_load_keeps_eight_reads_in_flight_whatever_the_cores_unless_threads_are_set(
+def test_a_read_keeps_eight_reads_in_flight_whatever_the_cores_unless_threads_are_set(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import slurm_ckpt.engine as engine_module
@@ -380,6 +380,9 @@ def test_a_load_keeps_eight_reads_in_flight_whatever_the_cores_unless_threads_ar
             job.close()
         assert_same(eng.load(path, verify_checkpoint(path)), state)
         assert depths[-1] == want and eng.threads == (2 if want == 8 else 3)
+        # A mapped file's threads each checksum the mapping, on a core: as many as writes get.
+        assert_same(eng.load(path, verify_checkpoint(path), mmap=True), state)
+        assert depths[-1] == eng.threads
 
 
 def test_a_fork_snapshot_after_staged_ones_writes_the_state_not_the_wiped_buffers(tmp_path: Path) -> None:

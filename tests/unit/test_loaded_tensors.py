@@ -229,7 +229,7 @@ def test_into_a_model_on_the_meta_device_is_refused_with_the_way_to_load_it(tmp_
 
 def test_into_a_lazy_module_not_yet_run_is_refused_with_the_way_to_load_it(tmp_path: Path) -> None:
     # Its parameters have no shape and no memory until its first forward, and torch
-    # raised at the first look at their storage, naming neither the key nor the fix.
+    # raised at the first look at their storage, without saying where in the state.
     torch.manual_seed(0)
     model = torch.nn.LazyLinear(4)
     model(torch.randn(2, 3))
