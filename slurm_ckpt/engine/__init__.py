@@ -119,10 +119,6 @@ class Engine:
     def threads(self) -> int:
         return self.cfg.threads or default_threads()
 
-    @property
-    def read_threads(self) -> int:
-        return self.cfg.threads or READ_DEPTH  # not by cores: see reader.READ_DEPTH
-
     def write_image(self, path: Path, image: FileImage) -> FileRecord:
         return write_image(path, image, threads=self.threads, chunk=self.cfg.chunk_size, direct=self.cfg.direct_io)
 
@@ -250,8 +246,9 @@ class Engine:
             raise ValueError("into= and mmap=True do not mix: mmap maps the file, into= reads into your tensors")
         import torch
 
-        # A mapped file's threads are not waiting on reads: each checksums the mapping, on a core.
-        threads = self.threads if mmap else self.read_threads
+        # Reads are kept READ_DEPTH deep, not by cores; but a mapped file's threads are
+        # not waiting on reads: each checksums the mapping, on a core.
+        threads = self.threads if mmap else self.cfg.threads or READ_DEPTH
         read = functools.partial(read_tensor_file, threads=threads, chunk=self.cfg.chunk_size, use_mmap=mmap)
         # no_grad: into= may hold parameters, which need grad (named_parameters()),
         # and are copied into as load_state_dict copies into them.

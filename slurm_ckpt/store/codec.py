@@ -294,7 +294,7 @@ def encode_state(
     plain: list[str] = []  # what was stored as a plain value, by path (a dict subclass as a dict)
     torch_mod = sys.modules.get("torch")  # no tensor without it
     tensor_type, strided = getattr(torch_mod, "Tensor", None), getattr(torch_mod, "strided", None)
-    lazy = getattr(getattr(getattr(torch_mod, "nn", None), "parameter", None), "UninitializedTensorMixin", ())
+    lazy = torch_mod.nn.parameter.UninitializedTensorMixin if torch_mod else ()  # a lazy module's, not yet run
     memo: dict[int, dict[str, Any]] = {}  # id(tensor or array) -> its tag object
     refs = [0]  # tensor, array and pickle references made so far (a set may hold none)
     attributed: set[int] = set()  # id(tensor) of those with Python attributes, said once
