@@ -413,7 +413,7 @@ def encode_state(
             if isinstance(obj, torch.Tensor):
                 if obj.layout != torch.strided and not obj.is_nested:
                     raise UnsupportedValue(f"{path or '/'}: a tensor of layout {obj.layout} cannot be "
-                                           "stored; store t.to_dense()")  # fmt: skip
+                                           f"stored; store {_sparse_parts(obj.layout)}")  # fmt: skip
                 return tensor_ref(obj, path)
             if isinstance(obj, torch.dtype):
                 return {"$dtype": str(obj).removeprefix("torch.")}
@@ -642,8 +642,26 @@ def _usual_part(obj: Any) -> str | None:
     return None
 
 
+def _sparse_parts(layout: Any) -> str:
+    """What to store of a sparse tensor: dense, or (smaller) the parts it is rebuilt from."""
+    import torch
+
+    if layout == torch.sparse_coo:
+        parts = ("the indices() and values() of t.coalesce(), and t.shape; rebuild it with "
+                 "torch.sparse_coo_tensor(indices, values, shape)")  # fmt: skip
+    else:  # CSR, CSC, BSR, BSC: torch.sparse_compressed_tensor takes every one of them
+        compressed, plain = ("crow", "col") if layout in (torch.sparse_csr, torch.sparse_bsr) else ("ccol", "row")
+        parts = (f"t.{compressed}_indices(), t.{plain}_indices(), t.values() and t.shape; rebuild it with "
+                 f"torch.sparse_compressed_tensor({compressed}_indices, {plain}_indices, values, shape, "
+                 f"layout={layout})")  # fmt: skip
+    return f"t.to_dense(), or, smaller, {parts}"
+
+
 def _a(noun: str) -> str:
-    """``noun`` with its indefinite article: "an IntervalStrategy", "a dict"."""
+    """``noun`` with its indefinite article: "an IntervalStrategy", "a dict", and for a
+    name read letter by letter, by the first letter's name: "an SGD", "a UUID"."""
+    if noun[:2].isupper():
+        return f"{'an' if noun[0] in 'AEFHILMNORSX' else 'a'} {noun}"
     return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 

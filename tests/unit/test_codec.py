@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import uuid
 import warnings
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator
@@ -691,6 +692,58 @@ for how in ("save", "copy", "fork", "overlap", "lazy", "sharded"):
     for line in lines:
         assert re.search(r"^\S+ /w: .*" + message, line), line
     assert not list(tmp_path.glob("step-*")), "a refused save must not commit anything"
+
+
+SPARSE = {
+    "coo": lambda d: d.to_sparse(),
+    "csr": lambda d: d.to_sparse_csr(),
+    "csc": lambda d: d.to_sparse_csc(),
+    "bsr": lambda d: d.to_sparse_bsr((2, 2)),
+    "bsc": lambda d: d.to_sparse_bsc((2, 2)),
+}
+
+
+@pytest.mark.parametrize("layout", SPARSE)
+def test_following_the_sparse_refusal_gives_back_the_tensor_from_its_parts(layout: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    dense = torch.randn(6, 8, generator=gen) * (torch.rand(6, 8, generator=gen) < 0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CSC and the block layouts are "beta" in torch
+        t = SPARSE[layout](dense)
+        with pytest.raises(UnsupportedValue) as refused:
+            encode_state({"w": t})
+        msg = str(refused.value)
+        assert "store t.to_dense(), or, smaller, " in msg, msg
+        if t.layout == torch.sparse_coo:
+            assert "the indices() and values() of t.coalesce(), and t.shape; rebuild it with " \
+                   "torch.sparse_coo_tensor(indices, values, shape)" in msg, msg
+            c = t.coalesce()
+            out = round_trip({"indices": c.indices(), "values": c.values(), "shape": list(t.shape)})
+            back = torch.sparse_coo_tensor(out["indices"], out["values"], out["shape"])
+        else:  # the parts the message names, stored and rebuilt as it says
+            named = re.search(r"t\.(\w+)_indices\(\), t\.(\w+)_indices\(\), t\.values\(\) and t\.shape; rebuild it "
+                              r"with torch\.sparse_compressed_tensor\(\1_indices, \2_indices, values, shape, "
+                              r"layout=torch\.(\w+)\)$", msg)  # fmt: skip
+            assert named, msg
+            compressed, plain, name = named.groups()
+            out = round_trip({"c": getattr(t, f"{compressed}_indices")(), "p": getattr(t, f"{plain}_indices")(),
+                              "v": t.values(), "shape": list(t.shape)})  # fmt: skip
+            back = torch.sparse_compressed_tensor(out["c"], out["p"], out["v"], out["shape"],
+                                                  layout=getattr(torch, name))  # fmt: skip
+    assert back.layout == t.layout
+    assert torch.equal(back.to_dense(), dense)
+
+
+@pytest.mark.parametrize(("make", "named"), [
+    (lambda: torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), "an SGD"),
+    (lambda: torch.nn.MSELoss(), "an MSELoss"),
+    (lambda: uuid.uuid4(), "a UUID"),
+    (lambda: torch.nn.Linear(1, 1), "a Linear"),
+    (lambda: Opaque(1), "an Opaque"),
+])  # fmt: skip
+def test_a_refusal_names_the_type_with_the_article_it_is_read_with(make: Any, named: str) -> None:
+    with pytest.raises(UnsupportedValue, match=rf"^/x: cannot store {named} safely; "):
+        encode_state({"x": make()})
 
 
 def test_pickled_objects_load_only_when_trusted(tmp_path: Path) -> None:
