@@ -99,6 +99,7 @@ def read_tensor_file(
             raw, header = read_header(f, path, size)
             layout = _layout(path, header, size - len(raw))
             targets = _targets(path, layout, into or {})
+            shared = _overlapping(targets)
             if targets and use_mmap:
                 raise ValueError("into= and mmap=True do not mix: mmap maps the file, into= reads into your tensors")
             with _suppress_unsupported():
@@ -106,7 +107,11 @@ def read_tensor_file(
             if use_mmap:
                 out, crc = _map(f.fileno(), path, len(raw), size, layout, verify, threads, chunk)
             else:
-                out, crc = _read(f.fileno(), path, len(raw), layout, verify, threads, chunk, targets)
+                out, crc = _read(f.fileno(), path, len(raw), layout, verify, threads, chunk,
+                                 {k: t for k, t in targets.items() if k not in shared})  # fmt: skip
+                for key, t in targets.items():
+                    if out[key] is t:
+                        _changed(t)
     except OSError as e:
         raise storage_error(e, "cannot read data file", path) from e
     if verify:
@@ -116,9 +121,10 @@ def read_tensor_file(
                 f"{path}: checksum mismatch: expected {CHECKSUM} {expected.checksum}, got {got:08x}",
                 path,
             )
-    for key, target in targets.items():
-        if out[key] is not target:  # not read in place: copied in only now that the file is verified
-            out[key] = target.copy_(out[key])
+    # In the order of into (a state's, as load_state_dict copies), where targets share memory.
+    for key in (k for k in into or {} if k in targets):
+        if out[key] is not targets[key]:  # not read in place: copied in only now that the file is verified
+            out[key] = targets[key].copy_(out[key])
     if device is not None:
         out = {k: t if k in targets else t.to(device) for k, t in out.items()}
     return out
@@ -139,6 +145,41 @@ def _targets(path: Path, layout: list[_Entry], into: Mapping[str, Any]) -> dict[
             )
         out[key] = t
     return out
+
+
+def _overlapping(targets: Mapping[str, Any]) -> set[str]:
+    """The keys of targets whose memory overlaps another target's (tied weights given
+    separately, views of one buffer). None of them is read in place: reads into shared
+    memory would race, and a crc taken there could be of another tensor's bytes."""
+    spans = []
+    for key, t in targets.items():
+        if not t.is_cpu:
+            continue
+        if t.is_contiguous():
+            lo, n = int(t.data_ptr()), t.numel() * t.element_size()
+        else:  # its whole storage: what it spans within it is no matter here
+            lo, n = int(t.untyped_storage().data_ptr()), int(t.untyped_storage().nbytes())
+        if n:
+            spans.append((lo, lo + n, key))
+    spans.sort()
+    out: set[str] = set()
+    reach, last = -1, ""
+    for lo, hi, key in spans:
+        if lo < reach:
+            out.update((key, last))
+        if hi > reach:
+            reach, last = hi, key
+    return out
+
+
+def _changed(t: Any) -> None:
+    """Mark ``t`` changed in place, as ``copy_`` into it would: its memory was written by
+    reads, which torch cannot see, and autograd must know that a graph that saved it
+    for backward now holds other values (backward then raises, as after load_state_dict)."""
+    import torch
+
+    with torch.no_grad():
+        t.view(-1)[:0].zero_()  # no element, but an in-place op: the version counter moves
 
 
 def _in_place(t: Any) -> bool:

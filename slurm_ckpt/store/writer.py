@@ -132,7 +132,8 @@ def load_state(
     for fname, keys in by_file.items():
         if fname not in man.files:
             raise CheckpointCorrupt(f"{ckpt}: tensor file {fname} not in manifest", ckpt / fname)
-        mine = {k: targets[k] for k in keys if k in whole}  # views are filled when decoded
+        here = set(keys)  # in the order of into: where targets share memory, the last one copied wins
+        mine = {k: t for k, t in targets.items() if k in whole and k in here}  # views are filled when decoded
         tensors.update(read(ckpt / fname, man.files[fname], into=mine))  # to host memory: decode places them
 
     def load_tensor(key: str) -> Any:

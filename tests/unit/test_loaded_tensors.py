@@ -256,6 +256,65 @@ def test_into_the_model_s_parameters_loads_them_as_load_state_dict_does(tmp_path
         assert got["model"][name] is p and p.requires_grad and torch.equal(p, model.state_dict()[name])
 
 
+class _LM(torch.nn.Module):
+    """An embedding and an output layer of 2 MiB each, tied or not (GPT-2 ties them)."""
+
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(1024, 512)
+        self.head = torch.nn.Linear(512, 1024, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+
+def test_into_targets_that_share_memory_get_what_load_state_dict_gives_them(tmp_path: Path) -> None:
+    # A checkpoint of an untied model loaded into a tied one: its state_dict() gives two
+    # tensors on one storage, each large enough to be read in place. Read into at once,
+    # the reads raced, and a crc taken of the other read's bytes failed a sound checkpoint.
+    torch.manual_seed(0)
+    untied = _LM(tie=False)
+    saved({"model": untied.state_dict()}, tmp_path)
+    ref = _LM(tie=True)
+    ref.load_state_dict(untied.state_dict())  # copies each in turn: the head's weight last
+    for _ in range(3):  # one load could have been lucky
+        tied, skipped = _LM(tie=True), []
+        with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+            got = ck.load_latest(into={"model": tied.state_dict()}, skipped=skipped)
+        assert got is not None and skipped == [], skipped
+        assert torch.equal(tied.emb.weight, ref.emb.weight) and tied.head.weight is tied.emb.weight
+    # Two views of one buffer that overlap, into= in the other order than saved: copied
+    # in into='s order, as load_state_dict would, so "a" is copied last and wins.
+    a, b = torch.full((512, 1024), 1.0), torch.full((512, 1024), 2.0)
+    shutil.rmtree(tmp_path / "run")
+    saved({"a": a, "b": b}, tmp_path)
+    base = torch.zeros(513, 1024)
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        got = ck.load_latest(into={"b": base[1:], "a": base[:-1]})
+    assert got is not None
+    assert torch.equal(base[:-1], a) and torch.equal(base[-1], b[-1])
+
+
+def test_a_parameter_read_in_place_is_marked_changed_as_load_state_dict_marks_it(tmp_path: Path) -> None:
+    # A graph that saved the weight for backward must not run backward through new
+    # values: after load_state_dict (copy_) torch raises there, and so must it after into=.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 512, bias=False)  # 2 MiB: read straight into its memory
+    saved({"model": model.state_dict()}, tmp_path)
+    for load in ("load_state_dict", "into="):
+        fresh = torch.nn.Linear(1024, 512, bias=False)
+        before = fresh.weight._version
+        loss = (fresh(torch.randn(2, 1024, requires_grad=True)) ** 2).sum()  # saves the weight for backward
+        if load == "into=":
+            with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+                assert ck.load_latest(into={"model": dict(fresh.named_parameters())}) is not None
+        else:
+            fresh.load_state_dict(model.state_dict())
+        assert fresh.weight._version == before + 1, load
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        assert torch.equal(fresh.weight, model.weight)
+
+
 def gpu_made(tmp_path: Path) -> Path:
     """A checkpoint as a GPU node writes it: tensors recorded on ``cuda:0``."""
     buf = torch.arange(10.0)
