@@ -145,9 +145,10 @@ def _st_name(dtype: Any) -> str | None:
     return _TORCH_TO_ST.get(str(dtype).removeprefix("torch."))
 
 
-def st_dtype(dtype: Any, where: str = "") -> str:
+def st_dtype(dtype: Any, where: str = "", *, scalar: bool = False) -> str:
     """The safetensors dtype name for a torch dtype; :class:`UnsupportedValue` if it has
-    none, its message starting with ``where`` (the tensor's place in the state)."""
+    none, its message starting with ``where`` (the tensor's place in the state).
+    ``scalar``: the tensor is 0-dim, which views as bytes only once it has a dimension."""
     st = _st_name(dtype)
     if st is None:
         name = str(dtype).removeprefix("torch.")
@@ -161,6 +162,9 @@ def st_dtype(dtype: Any, where: str = "") -> str:
             else:  # not dequantize(): float32 cannot hold every qint32
                 fix = (f"store t.int_repr() and {quantization}, and rebuild it after loading with "
                        "torch._make_per_tensor_quantized_tensor (or _make_per_channel_quantized_tensor)")  # fmt: skip
+        elif scalar and dtype.itemsize > 1:
+            fix = (f"store a copy of its bytes, t.reshape(1).view(torch.uint8), and view them back "
+                   f"with .view(torch.{name}).reshape(()) after loading, or cast it")  # fmt: skip
         else:
             fix = (f"store a copy of its bytes, t.contiguous().view(torch.uint8), and view them back "
                    f"with .view(torch.{name}) after loading, or cast it")  # fmt: skip
@@ -360,7 +364,7 @@ def encode_state(
         ref = memo.get(id(t))
         if ref is None:
             if stored:
-                st_dtype(t.dtype, path or "/")  # an unstorable dtype fails here, naming it and where
+                st_dtype(t.dtype, path or "/", scalar=t.dim() == 0)  # an unstorable dtype fails here, naming it and where
             ref = memo[id(t)] = {}
             storage = t.untyped_storage()
             leaf = _Leaf(new_key(path), t, ref, int(storage.nbytes()))
@@ -483,8 +487,13 @@ def encode_state(
             refs[0] += 1
             out.objects.append(obj)
             return {"$pickle": len(out.objects) - 1}
-        raise UnsupportedValue(f"{path or '/'}: cannot store {_a(type(obj).__qualname__)} safely; "
-                               f"{_instead(obj)}, or pass allow_pickle=True (trusted input only)")
+        if path.endswith("/$key"):  # a dict's key: say which, and a fix that is hashable
+            where = f"{path.removesuffix('/$key') or '/'}, the key {obj!r:.60}"
+            fix = "key it by tuple(sorted(k)) instead" if isinstance(obj, frozenset) else _instead(obj)
+        else:
+            where, fix = path or "/", _instead(obj)
+        raise UnsupportedValue(f"{where}: cannot store {_what(obj)} safely; "
+                               f"{fix}, or pass allow_pickle=True (trusted input only)")
 
     try:
         out.tree = enc(state, "")
@@ -604,6 +613,33 @@ def _instead(obj: Any) -> str:
     return usual or "convert it to tensors and plain values"
 
 
+def _what(obj: Any) -> str:
+    """``obj``'s kind, as a refusal names it: its type, or a NumPy array's dtype."""
+    if _package(obj) == "numpy":
+        import numpy as np
+
+        if type(obj) is np.ndarray:
+            return f"a NumPy array of dtype {obj.dtype}"
+        if isinstance(obj, np.dtype):
+            return "a NumPy dtype"
+    return _a(type(obj).__qualname__)
+
+
+def _array_part(a: Any) -> str:
+    """What to store of a NumPy array whose dtype no tensor has."""
+    kind = a.dtype.kind
+    if a.dtype.names is not None:
+        return "store each field (a['name']) as an array of its own"
+    if kind in "mM":  # datetimes and timedeltas: numbers in a unit
+        return "store a.view('int64') and str(a.dtype), and view it back with .view(dtype) after loading"
+    if kind in "biufc" and not a.dtype.isnative:
+        return "store it in native byte order, a.astype(a.dtype.newbyteorder('='))"
+    if kind in "biufc":  # a width no tensor has: long double
+        return (f"store its bytes, a.view(np.uint8), and view them back with .view(np.dtype('{a.dtype.str}')) "
+                "after loading, or cast it")  # fmt: skip
+    return "store a.tolist()"  # strings, bytes, objects
+
+
 def _usual_part(obj: Any) -> str | None:
     """The usual thing to store of an object like ``obj``, where there is one."""
     import dataclasses
@@ -615,6 +651,13 @@ def _usual_part(obj: Any) -> str | None:
     def has(*names: str) -> bool:
         return all(callable(getattr(obj, n, None)) for n in names)
 
+    if _package(obj) == "numpy":
+        import numpy as np
+
+        if type(obj) is np.ndarray:
+            return _array_part(obj)
+        if isinstance(obj, np.dtype):
+            return "store its .str and rebuild it with np.dtype() after loading"
     if isinstance(obj, (type, types.ModuleType, random.SystemRandom)):  # no state of their own to store
         return None
     if has("state_dict", "load_state_dict"):  # a module, optimizer, scheduler, GradScaler
@@ -793,9 +836,12 @@ def array_tensor(a: Any, into: bool = False) -> Any:
     memory in any order where torch can view that (writable, no negative strides)."""
     import torch
 
-    if into and a.flags.writeable and all(s >= 0 for s in a.strides):
+    # torch takes only strides in whole elements, where NumPy calls a field of a record
+    # array of one record (stride: the record's size) contiguous.
+    whole = all(s % a.itemsize == 0 for s in a.strides) if a.itemsize else True
+    if into and whole and a.flags.writeable and all(s >= 0 for s in a.strides):
         return torch.from_numpy(a)
-    if not (a.flags.c_contiguous and a.flags.writeable):
+    if not (whole and a.flags.c_contiguous and a.flags.writeable):
         a = a.copy(order="C")
     return torch.from_numpy(a)
 

@@ -335,12 +335,40 @@ def test_numpy_arrays_keep_their_shape_and_a_masked_one_is_not_stored_as_a_plain
     odd = {"be": np.arange(3, dtype=">f4"), "names": np.array(["ab", "c"]), "when": np.array(["2026-12-02"], "M8[s]"),
            "long": np.zeros(2, dtype=np.longdouble)}  # fmt: skip
     for key, a in odd.items():
-        with pytest.raises(UnsupportedValue, match=rf"/{key}: cannot store an? ndarray safely.*allow_pickle=True"):
+        with pytest.raises(UnsupportedValue, match=rf"/{key}: cannot store a NumPy array of dtype {re.escape(str(a.dtype))} "
+                                                   r"safely; .*allow_pickle=True"):  # fmt: skip
             round_trip({key: a})
     with Checkpointer(tmp_path, allow_pickle=True) as ck:
         ck.save(odd, step=2)
         got = ck.load_latest(trusted=True)
     assert all(np.array_equal(got[k], a) and got[k].dtype == a.dtype for k, a in odd.items())
+
+
+# (array, what the refusal says to store, that done, how it says to get the array back)
+_ODD_ARRAYS = {
+    "big_endian": (np.arange(3, dtype=">f4"), "a.astype(a.dtype.newbyteorder('='))",
+                   lambda a: a.astype(a.dtype.newbyteorder("=")), lambda got, a: got.astype(a.dtype)),
+    "datetimes": (np.array(["2026-12-02", "2027-01-01"], "M8[D]"), "a.view('int64') and str(a.dtype)",
+                  lambda a: {"v": a.view("int64"), "dtype": str(a.dtype)}, lambda got, a: got["v"].view(got["dtype"])),
+    "strings": (np.array([["ab", "c"], ["d", "ef"]]), "a.tolist()", lambda a: a.tolist(), lambda got, a: np.array(got)),
+    # One record: NumPy calls its fields contiguous, with the record's size as their stride.
+    "fields": (np.array([(1.5, 2)], dtype=[("x", "<f4"), ("n", "<i8")]), "each field (a['name'])",
+               lambda a: {n: a[n] for n in a.dtype.names},
+               lambda got, a: np.rec.fromarrays([got[n] for n in a.dtype.names], dtype=a.dtype).view(np.ndarray)),
+    "long_double": (np.array([1.0, 1 / 3], dtype=np.longdouble), "a.view(np.uint8)",
+                    lambda a: a.view(np.uint8), lambda got, a: got.view(np.dtype(a.dtype.str))),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", _ODD_ARRAYS)
+def test_an_array_no_tensor_holds_is_refused_naming_its_dtype_and_a_fix_that_gives_it_back(kind: str) -> None:
+    a, named, fix, back = _ODD_ARRAYS[kind]
+    with pytest.raises(UnsupportedValue) as refused:
+        encode_state({"a": a})
+    assert f"a NumPy array of dtype {a.dtype} safely; store " in str(refused.value), str(refused.value)
+    assert named in str(refused.value), str(refused.value)
+    got = back(round_trip({"a": fix(a)})["a"], a)
+    assert got.dtype == a.dtype and got.shape == a.shape and got.tobytes() == a.tobytes()
 
 
 def layout(a: np.ndarray) -> tuple[Any, ...]:
@@ -535,6 +563,25 @@ def test_a_dtype_with_no_safetensors_name_is_refused_naming_where_and_a_bit_exac
     assert torch.equal(model_w.view(torch.uint8), packed.view(torch.uint8))
 
 
+_BYTES_ONLY = [name for name in ("complex32", "bits16", "bits8", "float4_e2m1fn_x2") if hasattr(torch, name)]
+
+
+@pytest.mark.parametrize("name", _BYTES_ONLY)
+@pytest.mark.parametrize("shape", [(), (3,), (2, 2)])
+def test_following_the_bytes_advice_gives_back_every_bit_at_any_rank(name: str, shape: tuple[int, ...]) -> None:
+    # A 0-dim tensor of a dtype wider than a byte does not view as bytes as it is.
+    dtype = getattr(torch, name)
+    t = torch.arange(math.prod(shape) * dtype.itemsize, dtype=torch.uint8).view(dtype).reshape(shape)
+    with pytest.raises(UnsupportedValue) as refused:
+        encode_state({"t": t})
+    store, back = re.search(r"store a copy of its bytes, (t\.[^,]+), and view them back with (\S+) after", str(refused.value)).groups()
+    assert back.startswith(f".view(torch.{name})"), str(refused.value)
+    stored = eval(store, {"t": t, "torch": torch})  # the message's own expression
+    loaded = eval(f"b{back}", {"b": round_trip({"t": stored})["t"], "torch": torch})
+    assert loaded.dtype is dtype and tuple(loaded.shape) == shape
+    assert torch.equal(loaded.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+
+
 @pytest.mark.filterwarnings("ignore:torch.quantize_per:UserWarning")  # deprecated, not gone
 def test_a_quantized_tensor_is_refused_naming_a_fix_that_does_not_crash(tmp_path: Path) -> None:
     # The bytes' view the other refused dtypes are told to store kills the process for
@@ -630,6 +677,16 @@ def test_an_object_with_no_safe_form_is_refused_naming_what_to_store_instead(key
     with pytest.raises(UnsupportedValue, match=rf"^/state/{key}: cannot store an? \w+ safely; "
                                                + re.escape(fix + ", or pass allow_pickle=True (trusted input only)") + "$"):  # fmt: skip
         encode_state({"state": {key: obj}})
+
+
+def test_a_frozenset_key_is_refused_naming_the_key_and_a_fix_that_can_be_a_key() -> None:
+    # set() of it, the fix for a frozenset value, cannot be a dict key.
+    state = {"seen": {frozenset({2, 1}): 3, "n": 1}}
+    with pytest.raises(UnsupportedValue, match=r"^/seen, the key frozenset\(\{1, 2\}\): cannot store a frozenset "
+                                               r"safely; key it by tuple\(sorted\(k\)\) instead"):  # fmt: skip
+        encode_state(state)
+    fixed = {"seen": {tuple(sorted(k)) if isinstance(k, frozenset) else k: v for k, v in state["seen"].items()}}
+    assert round_trip(fixed) == {"seen": {(1, 2): 3, "n": 1}}
 
 
 def test_following_the_refusal_resumes_each_generator_where_it_was() -> None:
