@@ -178,6 +178,8 @@ def _changed(t: Any) -> None:
     for backward now holds other values (backward then raises, as after load_state_dict)."""
     import torch
 
+    if t.is_inference():  # no version counter to move (and no in-place op outside inference mode)
+        return
     with torch.no_grad():
         t.view(-1)[:0].zero_()  # no element, but an in-place op: the version counter moves
 

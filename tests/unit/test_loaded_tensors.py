@@ -313,6 +313,11 @@ def test_a_parameter_read_in_place_is_marked_changed_as_load_state_dict_marks_it
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
         assert torch.equal(fresh.weight, model.weight)
+    with torch.inference_mode():  # an inference tensor has no version counter: read into as before
+        frozen = torch.zeros(512, 1024)
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        assert ck.load_latest(into={"model": {"weight": frozen}})["model"]["weight"] is frozen
+    assert torch.equal(frozen, model.weight)
 
 
 def gpu_made(tmp_path: Path) -> Path:
