@@ -651,6 +651,8 @@ def _usual_part(obj: Any) -> str | None:
     def has(*names: str) -> bool:
         return all(callable(getattr(obj, n, None)) for n in names)
 
+    if _package(obj) == "torch" and type(obj).__name__ in ("layout", "memory_format", "qscheme"):
+        return "store str() of it and rebuild it with getattr(torch, s.removeprefix('torch.')) after loading"
     if _package(obj) == "numpy":
         import numpy as np
 

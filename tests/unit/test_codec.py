@@ -666,6 +666,12 @@ def _objects_with_a_safe_part() -> dict[str, tuple[Any, str]]:
         "lazy": (_Lazy(), "convert it to tensors and plain values"),
         "a_class": (torch.nn.Linear, "convert it to tensors and plain values"),
         "of_a_strict_class": (_OfAStrictClass(), "convert it to tensors and plain values"),
+        "layout": (torch.sparse_coo, "store str() of it and rebuild it with getattr(torch, "
+                                     "s.removeprefix('torch.')) after loading"),
+        "qscheme": (torch.per_channel_affine, "store str() of it and rebuild it with getattr(torch, "
+                                              "s.removeprefix('torch.')) after loading"),
+        "memory_format": (torch.channels_last, "store str() of it and rebuild it with getattr(torch, "
+                                               "s.removeprefix('torch.')) after loading"),
         "system_random": (random.SystemRandom(), "convert it to tensors and plain values"),  # it has no state
         "a_module": (random, "convert it to tensors and plain values"),
     }
@@ -687,6 +693,12 @@ def test_a_frozenset_key_is_refused_naming_the_key_and_a_fix_that_can_be_a_key()
         encode_state(state)
     fixed = {"seen": {tuple(sorted(k)) if isinstance(k, frozenset) else k: v for k, v in state["seen"].items()}}
     assert round_trip(fixed) == {"seen": {(1, 2): 3, "n": 1}}
+
+
+def test_following_the_refusal_gives_back_torch_s_layouts_memory_formats_and_qschemes() -> None:
+    kinds = [torch.strided, torch.sparse_csr, torch.channels_last, torch.preserve_format, torch.per_tensor_affine]
+    out = round_trip({"kinds": [str(k) for k in kinds]})
+    assert [getattr(torch, s.removeprefix("torch.")) for s in out["kinds"]] == kinds
 
 
 def test_following_the_refusal_resumes_each_generator_where_it_was() -> None:
