@@ -24,9 +24,9 @@ def _med(r: dict[str, Any], key: str) -> float:
     return float(vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2)
 
 
-def _floor(results: list[dict[str, Any]]) -> float:
-    """The memcpy floor of a snapshot's stall: the faster of the floor rows."""
-    return min((r["median"] for r in _by(results, "memcpy") if r["name"].startswith("memcpy floor")),
+def _floor(results: list[dict[str, Any]], stat: Callable[[dict[str, Any]], float] = lambda r: r["median"]) -> float:
+    """The memcpy floor of a snapshot's stall: the faster of the floor rows, by ``stat``."""
+    return min((stat(r) for r in _by(results, "memcpy") if r["name"].startswith("memcpy floor")),
                default=math.nan)  # fmt: skip
 
 
@@ -87,8 +87,7 @@ def format_table(doc: dict[str, Any]) -> str:
         # of one piece, but that piece is the target's floor. The best repetitions
         # too, as the rate tables give them: a copy slowed by the machine's other
         # work is not the copy's.
-        best = min((_best(r) for r in _by(results, "memcpy") if r["name"].startswith("memcpy floor")),
-                   default=math.nan)  # fmt: skip
+        best = _floor(results, _best)
         lines.append(f"  default stall: {auto['median'] / floor:.2f}x one memcpy of the state's bytes in one piece "
                      f"(target: 1.2x; best repetitions {_best(auto) / best:.2f}x), {auto['median'] / each:.2f}x "
                      "one memcpy of each of the state's tensors")  # fmt: skip
