@@ -407,7 +407,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
             while key in keys:  # never for DCP's own keys; kept so that no two entries share one
                 key += "'"
             keys.add(key)
-            e = TensorEntry(key, t, st_dtype(t.dtype, item.index.fqn), list(t.shape))
+            e = TensorEntry(key, t, st_dtype(t.dtype, item.index.fqn, scalar=t.dim() == 0), list(t.shape))
             entries.append(e)
             by_entry[id(e)] = item
         image = plan_file(entries)  # puts entries in file order

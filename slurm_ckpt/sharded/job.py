@@ -139,7 +139,7 @@ def make_job(state: Any, *, group: RankGroup | None, engine: Engine, allow_pickl
         keys.add(key)
         if not background and not is_cuda(t):
             t = t.to("cpu").contiguous()  # copies only what is not CPU and contiguous yet
-        e = TensorEntry(key, t, st_dtype(t.dtype, fqn), list(t.shape))
+        e = TensorEntry(key, t, st_dtype(t.dtype, fqn, scalar=t.dim() == 0), list(t.shape))
         entries.append(e)
         chunks[id(e)] = _chunk_entry(fqn, prep.flat[fqn], td)
     if background or any(is_cuda(e.tensor) for e in entries):

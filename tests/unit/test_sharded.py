@@ -291,3 +291,28 @@ def test_a_dtensor_changed_while_a_save_writes_it_is_not_committed(run_dir: Path
     with Checkpointer(run_dir, scratch=False) as ck, pytest.raises(SnapshotChanged, match=r"Checkpointer\.save"):
         ck.save({"w": w}, step=1)
     assert not list(run_dir.glob("step-*"))
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
+def test_a_0_dim_tensor_of_a_dtype_with_no_stored_form_is_told_a_fix_that_works(run_dir: Path, one_rank: Any) -> None:
+    """Both sharded writers name the bytes' view of a 0-dim tensor as the plain path
+    does: ``t.view(torch.uint8)`` of one fails until it has a dimension."""
+    import torch.distributed.checkpoint as dcp
+
+    from slurm_ckpt.dcp import StorageWriter
+
+    t = torch.tensor([1.5 - 2j], dtype=torch.complex32).reshape(())
+    for name, save in (("sharded", lambda s: sharded.save(s, run_dir / "sharded", 1)),
+                       ("dcp", lambda s: dcp.save(s, storage_writer=StorageWriter(run_dir / "dcp", step=1)))):  # fmt: skip
+        with pytest.raises(BaseException) as refused:  # dcp.save wraps it in its CheckpointException
+            save({"t": t})
+        found = re.search(r"store a copy of its bytes, (t\.[^,]+), and view them back with (\S+) after",
+                          str(refused.value))  # fmt: skip
+        assert found is not None, str(refused.value)
+        store, back = found.groups()
+        sharded.save({"t": eval(store, {"t": t, "torch": torch})}, run_dir / f"{name}-fixed", 1)
+        got = sharded.load(run_dir / f"{name}-fixed")
+        assert got is not None
+        loaded = eval(f"b{back}", {"b": got.state["t"], "torch": torch})  # the message's own expressions
+        assert loaded.dtype is torch.complex32 and loaded.shape == ()
+        assert torch.equal(loaded.reshape(1).view(torch.uint8), t.reshape(1).view(torch.uint8)), name
