@@ -14,8 +14,10 @@ measure both on a given machine).
 by checkpoint key: a large CPU one is read straight into its own memory,
 ``O_DIRECT`` where its address lines up with the file's pages as it did when
 saved, which is the usual case; nothing fresh is allocated, so no page has to
-be zeroed, and the caller needs no second copy of the state. Others (small,
-on a GPU, not contiguous) are copied in once the file is verified.
+be zeroed, and the caller needs no second copy of the state. It is marked
+changed, as ``copy_`` marks what it writes. Others (small, on a GPU, not
+contiguous, or overlapping another target's memory, where reads would race)
+are copied in once the file is verified, in the order of ``into``.
 
 Every tensor comes back on a storage of its own, as ``torch.load`` gives it:
 offset 0, exactly its size, not resizable, and starting at a multiple of 64
@@ -99,19 +101,18 @@ def read_tensor_file(
             raw, header = read_header(f, path, size)
             layout = _layout(path, header, size - len(raw))
             targets = _targets(path, layout, into or {})
-            shared = _overlapping(targets)
             if targets and use_mmap:
                 raise ValueError("into= and mmap=True do not mix: mmap maps the file, into= reads into your tensors")
+            shared = _overlapping(targets)
+            in_place = {k: t for k, t in targets.items() if k not in shared and _in_place(t)}
             with _suppress_unsupported():
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             if use_mmap:
                 out, crc = _map(f.fileno(), path, len(raw), size, layout, verify, threads, chunk)
             else:
-                out, crc = _read(f.fileno(), path, len(raw), layout, verify, threads, chunk,
-                                 {k: t for k, t in targets.items() if k not in shared})  # fmt: skip
-                for key, t in targets.items():
-                    if out[key] is t:
-                        _changed(t)
+                for t in in_place.values():  # before the reads: an error partway leaves them changed too
+                    _changed(t)
+                out, crc = _read(f.fileno(), path, len(raw), layout, verify, threads, chunk, in_place)
     except OSError as e:
         raise storage_error(e, "cannot read data file", path) from e
     if verify:
@@ -153,14 +154,12 @@ def _overlapping(targets: Mapping[str, Any]) -> set[str]:
     memory would race, and a crc taken there could be of another tensor's bytes."""
     spans = []
     for key, t in targets.items():
-        if not t.is_cpu:
-            continue
-        if t.is_contiguous():
-            lo, n = int(t.data_ptr()), t.numel() * t.element_size()
-        else:  # its whole storage: what it spans within it is no matter here
-            lo, n = int(t.untyped_storage().data_ptr()), int(t.untyped_storage().nbytes())
-        if n:
-            spans.append((lo, lo + n, key))
+        if t.is_cpu and t.numel():
+            # From its lowest element to its highest: all the bytes it can touch, however strided.
+            below = sum(min(0, (d - 1) * s) for d, s in zip(t.shape, t.stride(), strict=True))
+            above = sum(max(0, (d - 1) * s) for d, s in zip(t.shape, t.stride(), strict=True))
+            size = t.element_size()
+            spans.append((int(t.data_ptr()) + below * size, int(t.data_ptr()) + (above + 1) * size, key))
     spans.sort()
     out: set[str] = set()
     reach, last = -1, ""
@@ -270,13 +269,13 @@ def _read(
     verify: bool,
     threads: int,
     chunk: int,
-    targets: dict[str, Any],
+    in_place: dict[str, Any],
 ) -> tuple[dict[str, Any], int]:
     """Read into one buffer per region with O_DIRECT: the disk writes straight into the
     tensors, with no page-cache copy. Regions are read over whole 4 KiB blocks, so a
     block shared by two regions is read twice; only the region's own bytes are checksummed.
-    Where O_DIRECT is refused, the same reads go through the page cache. Large
-    ``targets`` are regions of their own, read into the caller's memory.
+    Where O_DIRECT is refused, the same reads go through the page cache. The
+    ``in_place`` targets (large, so regions of their own) are read into the caller's memory.
 
     Each tensor gets a storage of its own that is a window of its region's buffer:
     offset 0, as large as the tensor, and not resizable, as ``torch.load`` gives
@@ -292,9 +291,9 @@ def _read(
     fresh: list[tuple[int, int]] = []
     for rb, re, entries in _regions(layout, start):
         key = entries[0][0]
-        if len(entries) == 1 and key in targets and _in_place(targets[key]):
-            out[key] = targets[key]
-            items += _items_into(int(targets[key].data_ptr()), rb, re, chunk)
+        if len(entries) == 1 and key in in_place:
+            out[key] = in_place[key]
+            items += _items_into(int(in_place[key].data_ptr()), rb, re, chunk)
             continue
         lo, hi = rb - rb % ALIGN, -(-re // ALIGN) * ALIGN
         store = _storage(hi - lo + ALIGN)

@@ -131,3 +131,27 @@ def test_retention_failure_does_not_fail_a_committed_save(
     check_state(ckpt.load_latest(), 2)
     ckpt.save(state(3), step=3)  # the next retention catches up
     assert [s for s, _ in list_steps(fault_dir)] == [3]
+
+
+def test_an_io_error_partway_through_a_read_into_a_model_still_marks_it_changed(
+    faultfs: FaultFS, fault_dir: Path, make_ckpt: Callable[..., Checkpointer],
+) -> None:  # fmt: skip
+    """Reads straight into a parameter write its memory before the error comes: a graph
+    that saved it for backward must raise there, as after any change in place."""
+    import torch
+
+    torch.manual_seed(0)
+    ckpt = make_ckpt(fault_dir, retries=0)
+    ckpt.save({"model": torch.nn.Linear(2048, 1024, bias=False).state_dict()}, step=1)  # 8 MiB: read in place
+    fresh = torch.nn.Linear(2048, 1024, bias=False)
+    before, was = fresh.weight._version, fresh.weight.detach().clone()
+    loss = fresh(torch.randn(2, 2048, requires_grad=True)).sum()  # saves the weight for backward
+    # FUSE passes the reads on in pieces (48 for this file, here): the first 30 land.
+    with faultfs.faults({"op": "read", "path": "*/tensors-*", "errno": "EIO", "after": 30}):
+        with pytest.raises(StorageError) as ei:
+            ckpt.load_latest(into={"model": dict(fresh.named_parameters())})
+        assert faultfs.fired() >= 1 and ei.value.errno == errno.EIO
+    assert not torch.equal(fresh.weight, was)  # partly read into
+    assert fresh.weight._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -294,6 +294,29 @@ def test_into_targets_that_share_memory_get_what_load_state_dict_gives_them(tmp_
     assert torch.equal(base[:-1], a) and torch.equal(base[-1], b[-1])
 
 
+def test_only_targets_whose_bytes_overlap_are_kept_from_reads_in_place(tmp_path: Path) -> None:
+    # What a strided target can touch is its own extent in its storage, not the whole
+    # storage: a disjoint neighbour on the same buffer is still read straight into.
+    from slurm_ckpt.engine.reader import _overlapping
+
+    n = 512 * 1024  # 2 MiB of float32: large enough to be read in place
+    buf = torch.zeros(3 * n)
+    a = buf[:n]
+    apart = buf[n : 2 * n].view(512, 1024).t()  # transposed, after a's last byte
+    across = buf[n - 1024 : 2 * n - 1024].view(512, 1024).t()  # its first row is a's last
+    assert _overlapping({"a": a, "apart": apart}) == set()
+    assert _overlapping({"a": a, "across": across}) == {"a", "across"}
+    assert _overlapping({"a": a, "every_other": buf[1::2]}) == {"a", "every_other"}
+    assert _overlapping({"a": a, "last": buf[-4:].expand(3, 4), "empty": buf[:0]}) == set()
+    assert _overlapping({"a": a, "again": buf[n - 1 : n].expand(2, 2)}) == {"a", "again"}
+    saved({"a": torch.randn(n), "apart": torch.randn(1024, 512)}, tmp_path)
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        got = ck.load_latest(into={"a": a, "apart": apart})
+        want = ck.load_latest()
+    assert got["a"] is a and torch.equal(a, want["a"]) and torch.equal(apart, want["apart"])
+    assert not buf[2 * n :].any()
+
+
 def test_a_parameter_read_in_place_is_marked_changed_as_load_state_dict_marks_it(tmp_path: Path) -> None:
     # A graph that saved the weight for backward must not run backward through new
     # values: after load_state_dict (copy_) torch raises there, and so must it after into=.
@@ -313,7 +336,7 @@ def test_a_parameter_read_in_place_is_marked_changed_as_load_state_dict_marks_it
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
         assert torch.equal(fresh.weight, model.weight)
-    with torch.inference_mode():  # an inference tensor has no version counter: read into as before
+    with torch.inference_mode():  # an inference tensor has no version counter to move: read into, unmarked
         frozen = torch.zeros(512, 1024)
     with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
         assert ck.load_latest(into={"model": {"weight": frozen}})["model"]["weight"] is frozen
