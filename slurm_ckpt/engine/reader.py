@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import CheckpointCorrupt, storage_error
-from ..store.codec import contiguous_strides, torch_dtype
+from ..store.codec import contiguous_strides, overlapping, torch_dtype
 from ..store.crc import crc32, crc32_combine, crc32_of_chunks, crc_threads
 from ..store.tensorfile import CHECKSUM, FileRecord, read_header
 from .buffers import ALIGN, HUGE, TORCH_ALIGN, address_of, huge_buffer, memory_view, pool, populate
@@ -103,7 +103,7 @@ def read_tensor_file(
             targets = _targets(path, layout, into or {})
             if targets and use_mmap:
                 raise ValueError("into= and mmap=True do not mix: mmap maps the file, into= reads into your tensors")
-            shared = _overlapping(targets)
+            shared = overlapping(targets)
             in_place = {k: t for k, t in targets.items() if k not in shared and _in_place(t)}
             with _suppress_unsupported():
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -145,29 +145,6 @@ def _targets(path: Path, layout: list[_Entry], into: Mapping[str, Any]) -> dict[
                 "or load without into="
             )
         out[key] = t
-    return out
-
-
-def _overlapping(targets: Mapping[str, Any]) -> set[str]:
-    """The keys of targets whose memory overlaps another target's (tied weights given
-    separately, views of one buffer). None of them is read in place: reads into shared
-    memory would race, and a crc taken there could be of another tensor's bytes."""
-    spans = []
-    for key, t in targets.items():
-        if t.is_cpu and t.numel():
-            # From its lowest element to its highest: all the bytes it can touch, however strided.
-            below = sum(min(0, (d - 1) * s) for d, s in zip(t.shape, t.stride(), strict=True))
-            above = sum(max(0, (d - 1) * s) for d, s in zip(t.shape, t.stride(), strict=True))
-            size = t.element_size()
-            spans.append((int(t.data_ptr()) + below * size, int(t.data_ptr()) + (above + 1) * size, key))
-    spans.sort()
-    out: set[str] = set()
-    reach, last = -1, ""
-    for lo, hi, key in spans:
-        if lo < reach:
-            out.update((key, last))
-        if hi > reach:
-            reach, last = hi, key
     return out
 
 

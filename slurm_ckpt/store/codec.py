@@ -85,6 +85,7 @@ __all__ = [
     "encode_state",
     "is_dtensor",
     "namespace",
+    "overlapping",
     "path_parts",
     "resolved",
     "st_dtype",
@@ -930,6 +931,33 @@ def tensor_refs(tree: Any, flipped: set[str] | None = None) -> dict[str, dict[st
     return out
 
 
+def overlapping(targets: Mapping[str, Any]) -> set[str]:
+    """The keys of targets whose memory overlaps another target's (tied weights given
+    separately, views of one buffer): reads straight into them would race, and
+    copies into them must go in order, the last one's values staying."""
+    spans = []
+    for key, t in targets.items():
+        if not (n := t.nbytes):
+            continue
+        lo = t.data_ptr()
+        if not t.is_contiguous():  # from its lowest element to its highest: all the bytes it can touch
+            steps = [(d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True)]
+            size = t.element_size()
+            lo, n = lo + sum(min(0, x) for x in steps) * size, (sum(abs(x) for x in steps) + 1) * size
+        spans.append((str(t.device), lo, lo + n, key))
+    spans.sort()
+    out: set[str] = set()
+    device, reach, last = "", -1, ""
+    for on, lo, hi, key in spans:
+        if on != device:
+            device, reach = on, -1
+        if lo < reach:
+            out.update((key, last))
+        if hi > reach:
+            reach, last = hi, key
+    return out
+
+
 def decode_state(
     tree: Any,
     load_tensor: Callable[[str], Any],
@@ -945,7 +973,9 @@ def decode_state(
     ``map_location``); None leaves every tensor where it was read. Numpy
     arrays stay in host memory. ``into``: tensors by key to copy the loaded
     values into and return instead (those the reader already filled in place
-    come back as they are).
+    come back as they are). Where ``into``'s tensors overlap in memory, they are
+    copied into last, in ``into``'s order, as ``load_state_dict`` copies: where
+    they overlap, the last one's values stay.
     """
     tensors: dict[str, Any] = {}
     views: dict[str, Any] = {}
@@ -953,6 +983,8 @@ def decode_state(
     moved: dict[tuple[str, str], Any] = {}
     objects: list[Any] | None = None
     targets = into or {}
+    shared = overlapping(targets)
+    last: dict[str, Any] = {}  # what the shared targets get, copied in at the end
 
     def tensor(key: str) -> Any:
         if key not in tensors:
@@ -963,6 +995,9 @@ def decode_state(
         target = targets.get(key)
         if target is None or target is t:
             return t
+        if key in shared:  # its source is fresh memory, or a target's that no shared one overlaps
+            last[key] = t
+            return target
         return target.copy_(t)
 
     def view(rec: dict[str, Any]) -> Any:
@@ -1060,7 +1095,10 @@ def decode_state(
                 return objects[val]
         return {k: dec(v) for k, v in obj.items()}
 
-    return dec(tree)
+    out = dec(tree)
+    for key in (k for k in targets if k in last):
+        targets[key].copy_(last[key])
+    return out
 
 
 def _rebuild(rec: dict[str, Any], base: Any) -> Any:

@@ -18,6 +18,7 @@ from .codec import (
     EncodedState,
     decode_state,
     encode_state,
+    overlapping,
     tensor_refs,
     torch_dtype_name,
     transposed,
@@ -124,6 +125,7 @@ def load_state(
     except OSError as e:
         raise storage_error(e, "cannot read state", ckpt / STATE_FILE) from e
     targets, whole = _into_targets(ckpt, man, tree, into)
+    shared = overlapping(targets)
     place = placement(map_location)
     by_file: dict[str, list[str]] = {}
     for key, info in man.tensors.items():
@@ -132,8 +134,9 @@ def load_state(
     for fname, keys in by_file.items():
         if fname not in man.files:
             raise CheckpointCorrupt(f"{ckpt}: tensor file {fname} not in manifest", ckpt / fname)
-        here = set(keys)  # in the order of into: where targets share memory, the last one copied wins
-        mine = {k: t for k, t in targets.items() if k in whole and k in here}  # views are filled when decoded
+        here = set(keys)
+        # Views, and targets that share memory (copied in into's order), are filled when decoded.
+        mine = {k: t for k, t in targets.items() if k in whole and k in here and k not in shared}
         tensors.update(read(ckpt / fname, man.files[fname], into=mine))  # to host memory: decode places them
 
     def load_tensor(key: str) -> Any:

@@ -292,23 +292,42 @@ def test_into_targets_that_share_memory_get_what_load_state_dict_gives_them(tmp_
         got = ck.load_latest(into={"b": base[1:], "a": base[:-1]})
     assert got is not None
     assert torch.equal(base[:-1], a) and torch.equal(base[-1], b[-1])
+    # The same into another dtype (cast once read), and into views of a saved tensor
+    # ("q", a $view in the file) given before the tensor that overlaps them: into='s
+    # order still decides, whatever the file's.
+    wide = torch.zeros(513, 1024, dtype=torch.float64)
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        ck.load_latest(into={"b": wide[1:], "a": wide[:-1]})
+    assert torch.equal(wide[:-1], a.double()) and torch.equal(wide[-1], b[-1].double())
+    shutil.rmtree(tmp_path / "run")
+    p, q_base = torch.randn(8), torch.randn(8)
+    saved({"p": p, "q_base": q_base, "q": q_base[2:6]}, tmp_path)
+    for order in (("q", "p"), ("p", "q")):
+        mine = torch.zeros(8)
+        targets = {"q": mine[:4], "p": mine}
+        with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+            ck.load_latest(into={k: targets[k] for k in order})
+        want = torch.zeros(8)
+        for k in order:  # what load_state_dict's copies in this order leave
+            want[: len(targets[k])] = {"p": p, "q": q_base[2:6]}[k]
+        assert torch.equal(mine, want), order
 
 
 def test_only_targets_whose_bytes_overlap_are_kept_from_reads_in_place(tmp_path: Path) -> None:
     # What a strided target can touch is its own extent in its storage, not the whole
     # storage: a disjoint neighbour on the same buffer is still read straight into.
-    from slurm_ckpt.engine.reader import _overlapping
+    from slurm_ckpt.store.codec import overlapping
 
     n = 512 * 1024  # 2 MiB of float32: large enough to be read in place
     buf = torch.zeros(3 * n)
     a = buf[:n]
     apart = buf[n : 2 * n].view(512, 1024).t()  # transposed, after a's last byte
     across = buf[n - 1024 : 2 * n - 1024].view(512, 1024).t()  # its first row is a's last
-    assert _overlapping({"a": a, "apart": apart}) == set()
-    assert _overlapping({"a": a, "across": across}) == {"a", "across"}
-    assert _overlapping({"a": a, "every_other": buf[1::2]}) == {"a", "every_other"}
-    assert _overlapping({"a": a, "last": buf[-4:].expand(3, 4), "empty": buf[:0]}) == set()
-    assert _overlapping({"a": a, "again": buf[n - 1 : n].expand(2, 2)}) == {"a", "again"}
+    assert overlapping({"a": a, "apart": apart}) == set()
+    assert overlapping({"a": a, "across": across}) == {"a", "across"}
+    assert overlapping({"a": a, "every_other": buf[1::2]}) == {"a", "every_other"}
+    assert overlapping({"a": a, "last": buf[-4:].expand(3, 4), "empty": buf[:0]}) == set()
+    assert overlapping({"a": a, "again": buf[n - 1 : n].expand(2, 2)}) == {"a", "again"}
     saved({"a": torch.randn(n), "apart": torch.randn(1024, 512)}, tmp_path)
     with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
         got = ck.load_latest(into={"a": a, "apart": apart})
