@@ -171,13 +171,14 @@ def load(
     cands = None
     if ranks.rank == 0:
         cands = iter([root]) if one else (c.path for c in iter_valid([*map(Path, search), root], full=False, skipped=skipped))
-    into_keys = split(into, allow_pickle=True, stored=False).tensors if into is not None else {}
+    targets = split(into, allow_pickle=True, stored=False) if into is not None else None
     while True:
         where = ranks.broadcast(str(next(cands, None) or "") if cands is not None else None)
         if not where:
             return None
         ckpt = Path(where)
-        got, why = load_one(ckpt, None, into_keys, ranks, trusted=trusted, config=config)
+        got, why = load_one(ckpt, None, targets.tensors if targets else {}, ranks, trusted=trusted, config=config,
+                            copied=targets.copied if targets else None)  # fmt: skip
         if got is not None:
             return got
         note_skip(ckpt, why, skipped)

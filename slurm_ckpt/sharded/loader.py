@@ -78,10 +78,12 @@ class _Plan:
 
 
 def load_one(ckpt: Path, man: Manifest | None, into: dict[str, Any], ranks: Ranks, *, trusted: bool,
-             config: Config | None, device: Any = None) -> tuple[Loaded | None, str]:  # fmt: skip
+             config: Config | None, device: Any = None,
+             copied: dict[str, Any] | None = None) -> tuple[Loaded | None, str]:  # fmt: skip
     """(loaded, "") or (None, why ``ckpt`` must be skipped); raises what an older checkpoint would not fix.
 
-    ``into``: target tensors by DCP key (``parts.split(into).tensors``).
+    ``into``: target tensors by DCP key (``parts.split(into).tensors``), and
+    ``copied``: the arrays that get the values of theirs (``parts.split(into).copied``).
     ``device``: where the tensors that are not in ``into`` are made (default CPU).
     Every rank calls it for the same checkpoint.
     """
@@ -93,7 +95,7 @@ def load_one(ckpt: Path, man: Manifest | None, into: dict[str, Any], ranks: Rank
 
     mine: Exception | None = None
     try:
-        plan: _Plan | None = _plan(ckpt, man, into, ranks.rank, trusted, device)
+        plan: _Plan | None = _plan(ckpt, man, into, ranks.rank, trusted, device, copied or {})
         status: tuple[str, str] = ("ok", "")
     except (CheckpointCorrupt, StorageError) as e:
         plan, status = None, ("corrupt", f"rank {ranks.rank}: {e}")
@@ -133,15 +135,16 @@ def load_checkpoint(ckpt: Path, man: Manifest, *, into: Any, group: RankGroup | 
     Raises :class:`CheckpointCorrupt` on every rank when any rank found damage.
     """
     ranks = Ranks(group.pg) if group is not None else Ranks(alone=True)
-    targets = split(into, allow_pickle=True, stored=False).tensors if into is not None else {}
-    got, why = load_one(ckpt, man, targets, ranks, trusted=trusted, config=config, device=device)
+    targets = split(into, allow_pickle=True, stored=False) if into is not None else None
+    got, why = load_one(ckpt, man, targets.tensors if targets else {}, ranks, trusted=trusted, config=config,
+                        device=device, copied=targets.copied if targets else None)  # fmt: skip
     if got is None:
         raise CheckpointCorrupt(f"{ckpt}: {why}", ckpt)
     return got.state
 
 
 def _plan(ckpt: Path, man: Manifest | None, into: dict[str, Any], rank: int, trusted: bool,
-          device: Any) -> _Plan:  # fmt: skip
+          device: Any, copied: dict[str, Any]) -> _Plan:  # fmt: skip
     from ..dcp.index import global_index
     from ..store import verify_checkpoint
 
@@ -187,7 +190,7 @@ def _plan(ckpt: Path, man: Manifest | None, into: dict[str, Any], rank: int, tru
             return mine
 
     def build() -> Any:
-        return decode_state(tree, lambda k: targets[stored_key[k]], objects_blob, trusted=trusted)
+        return decode_state(tree, lambda k: targets[stored_key[k]], objects_blob, trusted=trusted, copied=copied)
 
     return _Plan(man, targets, build)
 

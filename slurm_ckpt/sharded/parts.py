@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..store.codec import array_tensor, encode_state, is_dtensor, path_parts
+from ..store.codec import array_tensor, copied_into, encode_state, is_dtensor, path_parts
 from ..store.writer import OBJECTS_FILE, STATE_FILE
 
 __all__ = ["PER_RANK", "Prepared", "Ranks", "Split", "holds_dtensor", "prepare", "refs", "split"]
@@ -67,6 +67,8 @@ class Split:
     tensors: dict[str, Any]
     """DCP key (the flattened name, as DCP's own ``model.0.weight``) -> tensor or DTensor."""
     objects: list[Any]
+    copied: dict[str, Any]
+    """Split to be matched: the arrays loaded through copies, by key (``EncodedState.copied``)."""
 
 
 def split(state: Any, *, allow_pickle: bool = False, stored: bool = True) -> Split:
@@ -76,6 +78,7 @@ def split(state: Any, *, allow_pickle: bool = False, stored: bool = True) -> Spl
     :func:`~slurm_ckpt.store.codec.encode_state`'s.
     """
     tensors: dict[str, Any] = {}
+    copied: dict[str, Any] = {}
     by_id: dict[int, str] = {}
 
     def refer(t: Any, path: str) -> str:
@@ -86,11 +89,13 @@ def split(state: Any, *, allow_pickle: bool = False, stored: bool = True) -> Spl
         while key in tensors:
             key += "'"
         tensors[key] = _as_tensor(t, into=not stored)
+        if not stored and tensors[key] is not t and copied_into(t, tensors[key]):
+            copied[key] = t
         by_id[id(t)] = key
         return key
 
     enc = encode_state(state, allow_pickle=allow_pickle, refer=refer, stored=stored)
-    return Split(enc.tree, tensors, enc.objects)
+    return Split(enc.tree, tensors, enc.objects, copied)
 
 
 def _as_tensor(t: Any, into: bool = False) -> Any:

@@ -81,6 +81,7 @@ __all__ = [
     "EncodedState",
     "TensorEntry",
     "array_tensor",
+    "copied_into",
     "decode_state",
     "encode_state",
     "is_dtensor",
@@ -206,6 +207,10 @@ class EncodedState:
     objects: list[Any] = field(default_factory=list)
     leaves: dict[str, Any] = field(default_factory=dict)
     """Every tensor object of the state by its key (views included), as given."""
+    copied: dict[str, Any] = field(default_factory=dict)
+    """Encoded to be matched: the writable NumPy arrays whose memory no tensor can
+    view (negative strides, a field of a record array), by key; their ``leaves``
+    are tensors over copies, whose loaded values :func:`decode_state` copies back."""
 
     @property
     def nbytes(self) -> int:
@@ -390,6 +395,8 @@ def encode_state(
             key = new_key(path)
             t = array_tensor(whole, into=not stored)
             out.leaves[key] = t
+            if not stored and copied_into(a, t):
+                out.copied[key] = a
             entry(key, t)
             ref = memo[id(a)] = {tag: key}
         return ref
@@ -849,6 +856,13 @@ def array_tensor(a: Any, into: bool = False) -> Any:
     return torch.from_numpy(a)
 
 
+def copied_into(a: Any, t: Any) -> bool:
+    """Whether ``t``, ``array_tensor(a, into=True)``, is over a copy of ``a`` that ``a``
+    (writable) must get the loaded values of: torch views no negative strides, and
+    no strides that are not whole elements (a field of a record array)."""
+    return bool(a.flags.writeable and not sys.modules["numpy"].may_share_memory(t.numpy(), a))
+
+
 _PATH = type(Path())  # this system's concrete Path: PosixPath on Linux
 
 _NP_SCALAR_KINDS = "biufcmM"
@@ -966,6 +980,7 @@ def decode_state(
     trusted: bool = False,
     place: Callable[[str], str] | None = None,
     into: Mapping[str, Any] | None = None,
+    copied: Mapping[str, Any] | None = None,
 ) -> Any:
     """Rebuild a state from its JSON tree; ``load_tensor(key)`` returns a data-file entry.
 
@@ -975,7 +990,9 @@ def decode_state(
     values into and return instead (those the reader already filled in place
     come back as they are). Where ``into``'s tensors overlap in memory, they are
     copied into last, in ``into``'s order, as ``load_state_dict`` copies: where
-    they overlap, the last one's values stay.
+    they overlap, the last one's values stay. ``copied``: NumPy arrays by key
+    (``EncodedState.copied``) that get the values their targets in ``into`` were
+    loaded with, and are returned in their place.
     """
     tensors: dict[str, Any] = {}
     views: dict[str, Any] = {}
@@ -983,6 +1000,7 @@ def decode_state(
     moved: dict[tuple[str, str], Any] = {}
     objects: list[Any] | None = None
     targets = into or {}
+    copies = copied or {}
     shared = overlapping(targets)
     last: dict[str, Any] = {}  # what the shared targets get, copied in at the end
 
@@ -1030,6 +1048,11 @@ def decode_state(
         if (key, flip) not in arrays:
             a = filled(key, tensor(key)).numpy()
             arrays[key, flip] = a.T if flip else a
+            if key in copies:  # the caller's array, which no tensor could view: given the values
+                import numpy as np
+
+                np.copyto(copies[key], arrays[key, flip])
+                arrays[key, flip] = copies[key]
         return arrays[key, flip]
 
     def dec(obj: Any) -> Any:

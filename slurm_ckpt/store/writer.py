@@ -124,7 +124,7 @@ def load_state(
         tree = json.loads((ckpt / STATE_FILE).read_bytes())
     except OSError as e:
         raise storage_error(e, "cannot read state", ckpt / STATE_FILE) from e
-    targets, whole = _into_targets(ckpt, man, tree, into)
+    targets, whole, copied = _into_targets(ckpt, man, tree, into)
     shared = overlapping(targets)
     place = placement(map_location)
     by_file: dict[str, list[str]] = {}
@@ -151,7 +151,7 @@ def load_state(
             "pass trusted=True only if you trust who wrote it"
         )
     return decode_state(tree, load_tensor, lambda: (ckpt / OBJECTS_FILE).read_bytes(), trusted=trusted,
-                        place=place, into=targets)  # fmt: skip
+                        place=place, into=targets, copied=copied)  # fmt: skip
 
 
 def placement(map_location: Any) -> Callable[[str], str]:
@@ -183,14 +183,16 @@ def refuse_meta(ckpt: Path, key: str, t: Any) -> None:
         )
 
 
-def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict[str, Any], set[str]]:
-    """The tensors of ``into`` by key, each checked against the saved tensor at its place,
-    and the keys of those stored whole and of the saved dtype (which a reader may fill in place)."""
+def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict[str, Any], set[str], dict[str, Any]]:
+    """The tensors of ``into`` by key, each checked against the saved tensor at its place;
+    the keys of those stored whole and of the saved dtype (which a reader may fill in
+    place); and the arrays loaded through copies (``EncodedState.copied``)."""
     if into is None:
-        return {}, set()
+        return {}, set(), {}
     # A tensor that matches nothing would silently keep its old values, and a
     # trainer that relies on into= would train on from them: refuse up front.
-    targets = encode_state(into, allow_pickle=True, prepare=lambda t: t, stored=False).leaves
+    matched = encode_state(into, allow_pickle=True, prepare=lambda t: t, stored=False)
+    targets = matched.leaves
     flipped: set[str] = set()
     saved = tensor_refs(tree, flipped)
     for key in flipped & targets.keys():
@@ -220,4 +222,4 @@ def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict
         # cast, once read, as load_state_dict and DCP cast.
         if view is None and torch_dtype_name(info.get("dtype")) == str(t.dtype):
             whole.add(key)
-    return targets, whole
+    return targets, whole, matched.copied

@@ -399,9 +399,10 @@ def test_numpy_arrays_keep_their_order_as_torch_load_gives_them(tmp_path: Path) 
         into = {"t": np.zeros((4, 3), order="F"), "f": np.zeros((2, 3, 4), np.int32), "c": np.zeros((3, 4), order="F"),
                 "strided": np.zeros((3, 4))[:, ::2]}  # fmt: skip
         got = ck.load_latest(into=into)
-        # Negative strides, which torch cannot view: loaded, as into a read-only one, into a copy.
+        # Negative strides, which torch cannot view: loaded through a copy, then copied in.
         reversed_row = np.zeros((1, 6))[:, ::-2]
-        assert np.array_equal(ck.load_latest(into={"row": reversed_row})["row"], state["row"])
+        assert ck.load_latest(into={"row": reversed_row})["row"] is reversed_row
+        assert np.array_equal(reversed_row, state["row"])
     for key, target in into.items():
         assert np.array_equal(target, state[key]) and np.shares_memory(got[key], target), key
     assert layout(got["t"]) == layout(want["t"])

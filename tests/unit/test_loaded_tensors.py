@@ -336,6 +336,28 @@ def test_only_targets_whose_bytes_overlap_are_kept_from_reads_in_place(tmp_path:
     assert not buf[2 * n :].any()
 
 
+def test_into_arrays_no_tensor_can_view_get_the_values_too(tmp_path: Path) -> None:
+    # A field of a record array whose stride is no whole number of its elements, negative
+    # strides: torch views neither, so they are loaded through a copy. The copy's values used to stay
+    # there, and the caller's array kept its old values without a word.
+    records = np.zeros(3, dtype=[("x", "<f8"), ("n", "<i4")])
+    backwards = np.zeros((4, 6))[::-1, ::2]
+    frozen = np.zeros(3)
+    frozen.flags.writeable = False
+    state = {"x": np.arange(3.0) + 0.5, "n": np.array([7, 8, 9], dtype=np.int32),
+             "back": np.arange(12.0).reshape(4, 3), "frozen": np.ones(3), "fortran": np.arange(6.0).reshape(2, 3).T}  # fmt: skip
+    transposed_back = np.zeros((2, 3))[::-1].T  # saved in Fortran order, into= one with negative strides
+    into = {"x": records["x"], "n": records["n"], "back": backwards, "frozen": frozen, "fortran": transposed_back}
+    saved(state, tmp_path)
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        got = ck.load_latest(into=into)
+    for key in ("x", "n", "back", "fortran"):
+        assert np.shares_memory(got[key], into[key]) and np.array_equal(into[key], state[key]), key
+    assert records.tolist() == [(0.5, 7), (1.5, 8), (2.5, 9)]
+    # A read-only array is left alone: the loaded values are in a copy of their own.
+    assert not frozen.any() and got["frozen"] is not frozen and np.array_equal(got["frozen"], state["frozen"])
+
+
 def test_a_parameter_read_in_place_is_marked_changed_as_load_state_dict_marks_it(tmp_path: Path) -> None:
     # A graph that saved the weight for backward must not run backward through new
     # values: after load_state_dict (copy_) torch raises there, and so must it after into=.

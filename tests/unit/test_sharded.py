@@ -316,3 +316,25 @@ def test_a_0_dim_tensor_of_a_dtype_with_no_stored_form_is_told_a_fix_that_works(
         loaded = eval(f"b{back}", {"b": got.state["t"], "torch": torch})  # the message's own expressions
         assert loaded.dtype is torch.complex32 and loaded.shape == ()
         assert torch.equal(loaded.reshape(1).view(torch.uint8), t.reshape(1).view(torch.uint8)), name
+
+
+def test_into_arrays_no_tensor_can_view_get_the_values(run_dir: Path) -> None:
+    """A field of a record array and an array with negative strides are loaded through
+    copies, whose values they then get, by both loads of a sharded checkpoint."""
+    import numpy as np
+
+    state = {"x": np.arange(3.0) + 0.5, "back": np.arange(12.0).reshape(4, 3), "w": torch.ones(2)}
+    sharded.save(state, run_dir, 1)
+    for how in ("sharded.load", "load_latest"):
+        records = np.zeros(3, dtype=[("x", "<f8"), ("n", "<i4")])
+        into = {"x": records["x"], "back": np.zeros((4, 6))[::-1, ::2], "w": torch.zeros(2)}
+        if how == "sharded.load":
+            got = sharded.load(run_dir, into=into)
+            assert got is not None
+            loaded = got.state
+        else:
+            with Checkpointer(run_dir, distributed=False) as ck:
+                loaded = ck.load_latest(into=into)
+        for key in ("x", "back"):
+            assert np.shares_memory(loaded[key], into[key]) and np.array_equal(into[key], state[key]), (how, key)
+        assert records["x"].tolist() == [0.5, 1.5, 2.5] and torch.equal(into["w"], state["w"]), how
