@@ -849,9 +849,9 @@ def array_tensor(a: Any, into: bool = False) -> Any:
     # torch takes only strides in whole elements, where NumPy calls a field of a record
     # array of one record (stride: the record's size) contiguous.
     whole = all(s % a.itemsize == 0 for s in a.strides)  # only numeric dtypes reach here: itemsize > 0
-    if into and whole and a.flags.writeable and all(s >= 0 for s in a.strides):
-        return torch.from_numpy(a)
-    if not (whole and a.flags.c_contiguous and a.flags.writeable):
+    # NumPy calls an array C-contiguous whatever the strides of its dims of size 1, negative too.
+    viewable = whole and a.flags.writeable and all(s >= 0 for s in a.strides)
+    if not (viewable and (into or a.flags.c_contiguous)):
         a = a.copy(order="C")
     return torch.from_numpy(a)
 

@@ -358,6 +358,23 @@ def test_into_arrays_no_tensor_can_view_get_the_values_too(tmp_path: Path) -> No
     assert not frozen.any() and got["frozen"] is not frozen and np.array_equal(got["frozen"], state["frozen"])
 
 
+def test_arrays_with_negative_strides_on_dims_of_size_1_save_and_load(tmp_path: Path) -> None:
+    # NumPy calls them C-contiguous, and torch refused to view them: the save failed.
+    import pickle
+
+    state = {"row": np.arange(3.0)[::-1][:1], "flat": np.arange(6.0).reshape(1, 6)[::-1], "n": 4}
+    assert all(s < 0 for s in state["row"].strides) and state["flat"].flags.c_contiguous  # what the test is about
+    saved(state, tmp_path)
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        got = ck.load_latest()
+        into = {"row": np.zeros(3)[::-1][:1], "flat": np.zeros((1, 6))[::-1]}
+        ck.load_latest(into=into)
+    for key in ("row", "flat"):
+        want = pickle.loads(pickle.dumps(state[key]))
+        assert got[key].strides == want.strides and np.array_equal(got[key], state[key]), key
+        assert np.array_equal(into[key], state[key]), key
+
+
 def test_a_parameter_read_in_place_is_marked_changed_as_load_state_dict_marks_it(tmp_path: Path) -> None:
     # A graph that saved the weight for backward must not run backward through new
     # values: after load_state_dict (copy_) torch raises there, and so must it after into=.
