@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import traverse_state_dict
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -196,7 +196,34 @@ def _flat(tree: Any, load_tensor: Callable[[str], Any]) -> tuple[dict[str, Any],
         return v
 
     state = mark(decode_state(prepare(tree), load_tensor, None))
-    return flatten_state_dict(state if isinstance(state, dict) else {"": state})
+    return _flatten(state if isinstance(state, dict) else {"": state})
+
+
+class _Clash:
+    """Stands for the values at two or more places that DCP's flattening gives one key
+    (dict keys 1 and "1"; "a.b" beside a's "b"): no load through DCP can ask for one."""
+
+    def __init__(self, paths: list[tuple[Any, ...]]) -> None:
+        self.paths = paths
+
+
+def _flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``state`` flattened as DCP's ``flatten_state_dict`` flattens it, but where it
+    would fail on a key that two places share: that key stands for a :class:`_Clash`,
+    which a load through DCP that asks for it is refused, and the rest still load."""
+    flat: dict[str, Any] = {}
+    mapping: dict[str, Any] = {}
+
+    def flat_copy(path: tuple[Any, ...], value: Any) -> None:
+        fqn = ".".join(map(str, path))
+        if fqn in flat:
+            held = flat[fqn]
+            flat[fqn] = _Clash([*held.paths, path] if isinstance(held, _Clash) else [mapping[fqn], path])
+            return
+        flat[fqn], mapping[fqn] = value, path
+
+    traverse_state_dict(state, flat_copy)
+    return flat, mapping
 
 
 def _objects(ckpt: Path, man: Manifest, name: str, trusted: bool,
@@ -222,6 +249,11 @@ def _value(ckpt: Path, fqn: str, value: Any, objects: Callable[[], list[Any]]) -
     reader refuses a load that asks for it before reading anything, and a load that does
     not (``slurm_ckpt.sharded``'s, which decodes the state itself) is not disturbed by it.
     """
+    if isinstance(value, _Clash):
+        places = " and ".join("/" + "/".join(map(str, p)) for p in value.paths)
+        return Refused(f"{ckpt}: DCP's key {fqn!r} stands for the values at both {places}, which no load through "
+                       "DCP can tell apart; load this checkpoint with slurm_ckpt.sharded.load or "
+                       "Checkpointer.load_latest")  # fmt: skip
     if _holds(value, _Transposed):
         return Refused(f"{ckpt}: {fqn!r} is or holds a NumPy array in Fortran order, stored as its transpose, "
                        "which DCP cannot read as the array; load this checkpoint with Checkpointer.load_latest")  # fmt: skip

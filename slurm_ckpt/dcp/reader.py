@@ -138,7 +138,9 @@ class StorageReader(_dcp_storage.StorageReader):
             values = state_values(ckpt, man, trusted=self.trusted)
             for fqn in values.keys() - metadata.state_dict_metadata.keys():
                 metadata.state_dict_metadata[fqn] = BytesStorageMetadata()
-            self._values = {k: v for k, v in values.items() if k in metadata.state_dict_metadata}
+            # Not one of DCP's tensors: a value can share a tensor's key where two places flatten to one.
+            self._values = {k: v for k, v in values.items()
+                            if isinstance(metadata.state_dict_metadata.get(k), BytesStorageMetadata)}  # fmt: skip
         else:
             metadata, self._values = plain_metadata(ckpt, man, trusted=self.trusted)
         self.checkpoint, self.manifest, self._metadata = ckpt, man, metadata

@@ -177,8 +177,7 @@ def load(
         if not where:
             return None
         ckpt = Path(where)
-        got, why = load_one(ckpt, None, targets.tensors if targets else {}, ranks, trusted=trusted, config=config,
-                            copied=targets.copied if targets else None)  # fmt: skip
+        got, why = load_one(ckpt, None, targets, ranks, trusted=trusted, config=config)
         if got is not None:
             return got
         note_skip(ckpt, why, skipped)

@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import Config
 from ..errors import CheckpointCorrupt, ConfigError, StorageError, UnsafeLoad, storage_error
-from ..store.codec import decode_state, torch_dtype
+from ..store.codec import decode_state, match_into, torch_dtype
 from ..store.fsutil import read_small
 from ..store.manifest import Manifest, is_chunked
 from ..store.shards import shard_name
 from ..store.writer import OBJECTS_FILE, STATE_FILE, refuse_meta
-from .parts import PER_RANK, Ranks, refs, split
+from .parts import PER_RANK, Ranks, Split, refs, split
 
 if TYPE_CHECKING:
     from ..ranks import RankGroup
@@ -77,13 +77,11 @@ class _Plan:
     """Makes the state once the targets are filled."""
 
 
-def load_one(ckpt: Path, man: Manifest | None, into: dict[str, Any], ranks: Ranks, *, trusted: bool,
-             config: Config | None, device: Any = None,
-             copied: dict[str, Any] | None = None) -> tuple[Loaded | None, str]:  # fmt: skip
+def load_one(ckpt: Path, man: Manifest | None, into: Split | None, ranks: Ranks, *, trusted: bool,
+             config: Config | None, device: Any = None) -> tuple[Loaded | None, str]:  # fmt: skip
     """(loaded, "") or (None, why ``ckpt`` must be skipped); raises what an older checkpoint would not fix.
 
-    ``into``: target tensors by DCP key (``parts.split(into).tensors``), and
-    ``copied``: the arrays that get the values of theirs (``parts.split(into).copied``).
+    ``into``: ``parts.split(into, stored=False)``, the tensors to load into.
     ``device``: where the tensors that are not in ``into`` are made (default CPU).
     Every rank calls it for the same checkpoint.
     """
@@ -95,7 +93,7 @@ def load_one(ckpt: Path, man: Manifest | None, into: dict[str, Any], ranks: Rank
 
     mine: Exception | None = None
     try:
-        plan: _Plan | None = _plan(ckpt, man, into, ranks.rank, trusted, device, copied or {})
+        plan: _Plan | None = _plan(ckpt, man, into, ranks.rank, trusted, device)
         status: tuple[str, str] = ("ok", "")
     except (CheckpointCorrupt, StorageError) as e:
         plan, status = None, ("corrupt", f"rank {ranks.rank}: {e}")
@@ -136,15 +134,14 @@ def load_checkpoint(ckpt: Path, man: Manifest, *, into: Any, group: RankGroup | 
     """
     ranks = Ranks(group.pg) if group is not None else Ranks(alone=True)
     targets = split(into, allow_pickle=True, stored=False) if into is not None else None
-    got, why = load_one(ckpt, man, targets.tensors if targets else {}, ranks, trusted=trusted, config=config,
-                        device=device, copied=targets.copied if targets else None)  # fmt: skip
+    got, why = load_one(ckpt, man, targets, ranks, trusted=trusted, config=config, device=device)
     if got is None:
         raise CheckpointCorrupt(f"{ckpt}: {why}", ckpt)
     return got.state
 
 
-def _plan(ckpt: Path, man: Manifest | None, into: dict[str, Any], rank: int, trusted: bool,
-          device: Any, copied: dict[str, Any]) -> _Plan:  # fmt: skip
+def _plan(ckpt: Path, man: Manifest | None, into: Split | None, rank: int, trusted: bool,
+          device: Any) -> _Plan:  # fmt: skip
     from ..dcp.index import global_index
     from ..store import verify_checkpoint
 
@@ -156,7 +153,7 @@ def _plan(ckpt: Path, man: Manifest | None, into: dict[str, Any], rank: int, tru
     index = global_index(man)
     state_file = _small_file(man, STATE_FILE)
     if state_file is None:
-        return _plan_dcp(ckpt, man, index, into, trusted, device)
+        return _plan_dcp(ckpt, man, index, into.tensors if into else {}, trusted, device)
     doc = json.loads(_verified(ckpt, man, state_file))
     saved_world, trees = int(doc["world_size"]), doc["trees"]
     per_rank = set(doc["per_rank"])
@@ -168,7 +165,8 @@ def _plan(ckpt: Path, man: Manifest | None, into: dict[str, Any], rank: int, tru
         )  # fmt: skip
     tree = trees[src] if len(trees) > 1 else trees[0]
     wanted = list(dict.fromkeys(refs(tree)))
-    _check_into(ckpt, into, wanted)
+    given, copied = match_into(ckpt, tree, into.tree, into.tensors, into.copied) if into else ({}, {})
+    _refuse_one_for_two(ckpt, given)
     targets: dict[str, Any] = {}
     stored_key: dict[str, str] = {}
     for k in wanted:
@@ -176,7 +174,7 @@ def _plan(ckpt: Path, man: Manifest | None, into: dict[str, Any], rank: int, tru
         entry = index.get(key)
         if entry is None or "chunks" not in entry:
             raise CheckpointCorrupt(f"{ckpt}: tensor {key!r} missing from the manifest", ckpt)
-        targets[key] = _target(ckpt, k, entry, into, device)
+        targets[key] = _target(ckpt, k, entry, given, device)
     objects_blob = None
     objects_file = _small_file(man, OBJECTS_FILE)
     if objects_file is not None:
@@ -232,6 +230,17 @@ def _unpickle(ckpt: Path, fqn: str, data: bytes, trusted: bool) -> Any:
         raise UnsafeLoad(f"{ckpt}: value {fqn!r}, pickled by dcp.save, holds types that torch.load("
                          f"weights_only=True) refuses ({str(e).splitlines()[0]}); pass trusted=True only if "
                          "you trust who wrote it") from None  # fmt: skip
+
+
+def _refuse_one_for_two(ckpt: Path, into: dict[str, Any]) -> None:
+    """One tensor given for two saved apart: DCP's load would fill it in an order of its own."""
+    seen: dict[int, str] = {}
+    for key, t in into.items():
+        if seen.setdefault(id(t), key) != key:
+            raise ValueError(
+                f"into= gives one tensor for both {seen[id(t)]!r} and {key!r}, which {ckpt} holds apart: "
+                "load without into= and pass the result to set_state_dict() or load_state_dict()"
+            )
 
 
 def _check_into(ckpt: Path, into: dict[str, Any], wanted: list[str]) -> None:

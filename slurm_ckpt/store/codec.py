@@ -62,6 +62,7 @@ import base64
 import binascii
 import contextlib
 import functools
+import json
 import math
 import pickle
 import re
@@ -85,6 +86,7 @@ __all__ = [
     "decode_state",
     "encode_state",
     "is_dtensor",
+    "match_into",
     "namespace",
     "overlapping",
     "path_parts",
@@ -375,6 +377,8 @@ def encode_state(
             storage = t.untyped_storage()
             leaf = _Leaf(new_key(path), t, ref, int(storage.nbytes()))
             out.leaves[leaf.key] = t
+            if not stored:  # to be matched by place (paired_tensors): no entry, no view record
+                ref["$t"] = leaf.key
             # One group per storage, as torch.save keys them (the storage object,
             # not its address: two storages over one buffer are saved twice).
             storages.setdefault(storage._cdata, []).append(leaf)
@@ -943,6 +947,82 @@ def tensor_refs(tree: Any, flipped: set[str] | None = None) -> dict[str, dict[st
 
     walk(tree)
     return out
+
+
+def _ref_key(node: Any) -> str | None:
+    """The key of the tensor or array a tree node refers to; None if it is none."""
+    if isinstance(node, dict) and len(node) == 1:
+        (tag, val), = node.items()
+        if tag in ("$t", "$np", "$npT") and isinstance(val, str):
+            return val
+        if tag == "$view" and isinstance(val, dict) and isinstance(val.get("key"), str):
+            return val["key"]
+    return None
+
+
+def _children(node: Any) -> dict[str, Any] | None:
+    """A container's children by place: a list's and a tuple's by index, a dict's by
+    its key as encoded (so that 1 and "1" are two places), of any kind of dict."""
+    if isinstance(node, list):
+        return {str(i): v for i, v in enumerate(node)}
+    if not isinstance(node, dict):
+        return None
+    if len(node) == 1:
+        (tag, val), = node.items()
+        bodies = {"$odict": 0, "$defaultdict": 1}
+        if tag in bodies and isinstance(val, list) and len(val) == 2:
+            return _children(val[bodies[tag]])
+        if tag in ("$counter", "$namespace", "$tuple"):
+            return _children(val)
+        if tag == "$items" and isinstance(val, list):
+            return {json.dumps(kv[0], sort_keys=True): kv[1] for kv in val if isinstance(kv, list) and len(kv) == 2}
+        if tag.startswith("$"):
+            return None  # a leaf: a number, bytes, a pickle
+    return {json.dumps(k): v for k, v in node.items()}
+
+
+def match_into(where: Any, saved: Any, into: Any, tensors: Mapping[str, Any],
+               copied: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """``into``'s tensors and the arrays that get their values, by the key of the saved
+    tensor at the same place in ``saved`` (checkpoint ``where``'s tree), in ``into``'s
+    order. ``into``: the tree of ``into=`` encoded with ``stored=False``, whose
+    ``tensors`` and ``copied`` are by its own keys.
+
+    Matched by place, not by a key made of the path: keys that print alike (1 and
+    "1") still pair right in another order, and one tensor given at two places gets
+    both saved ones, copied in in turn. A tensor at a place where the checkpoint has
+    none, or two given where one was saved, is a ``ValueError`` naming it.
+    """
+    targets: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    todo = [(saved, into)]
+    while todo:
+        s, i = todo.pop()
+        mine = _ref_key(i)
+        if mine is None:
+            children = _children(i)
+            if children:
+                theirs = _children(s) or {}
+                todo.extend(reversed([(theirs.get(k), v) for k, v in children.items()]))
+            continue
+        key = _ref_key(s)
+        if key is None:
+            # It would keep its old values without a word, and a trainer that relies
+            # on into= would train on from them.
+            raise ValueError(
+                f"into= holds a tensor at {mine!r} where {where} holds none: pass a state shaped like the "
+                "saved one (saved as {'model': model.state_dict(), ...}, load with into={'model': "
+                "model.state_dict()})"
+            )
+        if given.setdefault(key, mine) != mine:
+            # Which one would get the values, and which the returned state would hold?
+            raise ValueError(
+                f"{where} holds one tensor at both {given[key]!r} and {mine!r} (tied when saved), and into= "
+                "gives two: tie them in the model as they were, or load without into= and pass the result "
+                "to load_state_dict()"
+            )
+        targets[key] = tensors[mine]
+    return targets, {key: copied[mine] for key, mine in given.items() if mine in copied}
 
 
 def overlapping(targets: Mapping[str, Any]) -> set[str]:

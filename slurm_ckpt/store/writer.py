@@ -18,6 +18,7 @@ from .codec import (
     EncodedState,
     decode_state,
     encode_state,
+    match_into,
     overlapping,
     tensor_refs,
     torch_dtype_name,
@@ -189,23 +190,14 @@ def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict
     place); and the arrays loaded through copies (``EncodedState.copied``)."""
     if into is None:
         return {}, set(), {}
-    # A tensor that matches nothing would silently keep its old values, and a
-    # trainer that relies on into= would train on from them: refuse up front.
     matched = encode_state(into, allow_pickle=True, prepare=lambda t: t, stored=False)
-    targets = matched.leaves
+    targets, copied = match_into(ckpt, tree, matched.tree, matched.leaves, matched.copied)
     flipped: set[str] = set()
     saved = tensor_refs(tree, flipped)
     for key in flipped & targets.keys():
         # A NumPy array saved in Fortran order is stored as its transpose: the target
         # (in its own shape, whatever its order) is filled through its transpose.
         targets[key] = transposed(targets[key])
-    missing = sorted(set(targets) - set(saved))
-    if missing:
-        raise ValueError(
-            f"into= holds {len(missing)} tensor(s) that {ckpt} does not, e.g. {missing[0]!r}: "
-            "pass a state shaped like the saved one (saved as {'model': model.state_dict(), ...}, "
-            "load with into={'model': model.state_dict()})"
-        )
     whole = set()
     for key, t in targets.items():
         refuse_meta(ckpt, key, t)
@@ -222,4 +214,4 @@ def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict
         # cast, once read, as load_state_dict and DCP cast.
         if view is None and torch_dtype_name(info.get("dtype")) == str(t.dtype):
             whole.add(key)
-    return targets, whole, matched.copied
+    return targets, whole, copied

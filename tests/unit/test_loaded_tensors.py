@@ -375,6 +375,36 @@ def test_arrays_with_negative_strides_on_dims_of_size_1_save_and_load(tmp_path: 
         assert np.array_equal(into[key], state[key]), key
 
 
+def test_into_is_matched_by_place_not_by_how_keys_print(tmp_path: Path) -> None:
+    # A dict keyed by 1 and "1" ((1,) and "(1,)") given in another order than saved:
+    # matched by a path made of str(key), the two tensors got each other's values.
+    a, b, c, d = (torch.full((3,), float(i)) for i in range(4))
+    saved({"d": {1: a, "1": b, (1,): c, "(1,)": d}}, tmp_path)
+    into = {"d": {"(1,)": torch.zeros(3), "1": torch.zeros(3), (1,): torch.zeros(3), 1: torch.zeros(3)}}
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        got = ck.load_latest(into=into)
+    for key, want in ((1, a), ("1", b), ((1,), c), ("(1,)", d)):
+        assert got["d"][key] is into["d"][key] and torch.equal(into["d"][key], want), key
+
+
+def test_into_one_tensor_at_two_places_gets_what_load_state_dict_gives_it(tmp_path: Path) -> None:
+    # Given twice (a tied model's weights under two names), saved apart: copied into in
+    # into='s order, the last one's values stay, and the state holds it at both places.
+    a, b = torch.full((4,), 1.0), torch.full((4,), 2.0)
+    saved({"a": a, "b": b, "tied": a, "tied_too": a}, tmp_path)
+    for order in (("a", "b"), ("b", "a")):
+        t = torch.zeros(4)
+        with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+            got = ck.load_latest(into={k: t for k in order})
+        assert got["a"] is t and got["b"] is t and torch.equal(t, {"a": a, "b": b}[order[-1]]), order
+    # One tensor saved at two places, given as two: refused, naming both, before any read.
+    mine, other = torch.zeros(4), torch.zeros(4)
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck, \
+            pytest.raises(ValueError, match=r"one tensor at both 'tied' and 'tied_too'.*load_state_dict"):  # fmt: skip
+        ck.load_latest(into={"tied": mine, "tied_too": other})
+    assert not mine.any() and not other.any()
+
+
 def test_a_parameter_read_in_place_is_marked_changed_as_load_state_dict_marks_it(tmp_path: Path) -> None:
     # A graph that saved the weight for backward must not run backward through new
     # values: after load_state_dict (copy_) torch raises there, and so must it after into=.

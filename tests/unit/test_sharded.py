@@ -80,7 +80,7 @@ def test_into_fills_the_given_tensors_in_place(run_dir: Path) -> None:
 
 def test_into_that_does_not_match_is_refused_before_reading(run_dir: Path) -> None:
     sharded.save(state(), run_dir, 1)
-    with pytest.raises(ValueError, match=r"into= holds 1 tensor\(s\) that .* does not, e.g. 'model.extra'"):
+    with pytest.raises(ValueError, match=r"into= holds a tensor at 'model.extra' where .* holds none"):
         sharded.load(run_dir, into={"model": {"extra": torch.zeros(2)}})
     with pytest.raises(ValueError, match=r"shape \[40, 30\], the tensor is \[30, 40\]"):
         sharded.load(run_dir, into={"model": {"w": torch.zeros(30, 40)}})
@@ -338,3 +338,30 @@ def test_into_arrays_no_tensor_can_view_get_the_values(run_dir: Path) -> None:
         for key in ("x", "back"):
             assert np.shares_memory(loaded[key], into[key]) and np.array_equal(into[key], state[key]), (how, key)
         assert records["x"].tolist() == [0.5, 1.5, 2.5] and torch.equal(into["w"], state["w"]), how
+
+
+def test_keys_that_dcp_flattens_alike_load_and_into_is_matched_by_place(run_dir: Path, one_rank: Any) -> None:
+    """DCP names a value by its path's keys joined with dots: 1 and "1", or "a.b" and
+    a's "b", get one name. Such a checkpoint was saved, and then no load could read it
+    (DCP refused its metadata); into= matched by such names swapped the tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    from slurm_ckpt.dcp import StorageReader
+
+    a, b = torch.full((3,), 1.0), torch.full((3,), 2.0)
+    state = {"d": {1: a, "1": b}, "v": {1: 5, "1": 6}, "a.b": 7, "a": {"b": torch.zeros(1)}}
+    sharded.save(state, run_dir, 1)
+    got = sharded.load(run_dir)
+    assert got is not None and got.state["v"] == {1: 5, "1": 6} and got.state["a.b"] == 7
+    assert torch.equal(got.state["d"][1], a) and torch.equal(got.state["d"]["1"], b)
+    with pytest.raises(BaseException, match=r"DCP's key 'v.1' stands for the values at both /v/1 and /v/1"):
+        dcp.load({"v": {1: 0}}, storage_reader=StorageReader(run_dir))  # dcp.load wraps it in its CheckpointException
+    into = {"d": {"1": torch.zeros(3), 1: torch.zeros(3)}}  # the other order: keyed by the path, swapped
+    got = sharded.load(run_dir, into=into)
+    assert got is not None
+    assert torch.equal(into["d"][1], a) and torch.equal(into["d"]["1"], b)
+    assert got.state["d"][1] is into["d"][1] and got.state["d"]["1"] is into["d"]["1"]
+    one = torch.zeros(3)  # one tensor for two saved apart: DCP would fill it in an order of its own
+    with pytest.raises(ValueError, match=r"one tensor for both 'd.1' and \"d.1'\".*load without into="):
+        sharded.load(run_dir, into={"d": {1: one, "1": one}})
+    assert not one.any()
