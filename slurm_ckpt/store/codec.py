@@ -417,7 +417,7 @@ def encode_state(
             if isinstance(obj, torch.Tensor):
                 if obj.layout != torch.strided and not obj.is_nested:
                     raise UnsupportedValue(f"{path or '/'}: a tensor of layout {obj.layout} cannot be "
-                                           f"stored; store {_sparse_parts(obj.layout)}")  # fmt: skip
+                                           f"stored; store {_layout_part(obj.layout)}")  # fmt: skip
                 return tensor_ref(obj, path)
             if isinstance(obj, torch.dtype):
                 return {"$dtype": str(obj).removeprefix("torch.")}
@@ -687,18 +687,21 @@ def _usual_part(obj: Any) -> str | None:
     return None
 
 
-def _sparse_parts(layout: Any) -> str:
-    """What to store of a sparse tensor: dense, or (smaller) the parts it is rebuilt from."""
+def _layout_part(layout: Any) -> str:
+    """What to store of a tensor not strided: dense, or for a sparse one (smaller) the parts it is rebuilt from."""
     import torch
 
     if layout == torch.sparse_coo:
         parts = ("the indices() and values() of t.coalesce(), and t.shape; rebuild it with "
                  "torch.sparse_coo_tensor(indices, values, shape)")  # fmt: skip
-    else:  # CSR, CSC, BSR, BSC: torch.sparse_compressed_tensor takes every one of them
+    elif layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        # torch.sparse_compressed_tensor takes every one of them
         compressed, plain = ("crow", "col") if layout in (torch.sparse_csr, torch.sparse_bsr) else ("ccol", "row")
         parts = (f"t.{compressed}_indices(), t.{plain}_indices(), t.values() and t.shape; rebuild it with "
                  f"torch.sparse_compressed_tensor({compressed}_indices, {plain}_indices, values, shape, "
                  f"layout={layout})")  # fmt: skip
+    else:  # mkldnn's: no smaller parts
+        return "t.to_dense()"
     return f"t.to_dense(), or, smaller, {parts}"
 
 

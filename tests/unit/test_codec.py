@@ -803,6 +803,48 @@ def test_following_the_sparse_refusal_gives_back_the_tensor_from_its_parts(layou
     assert torch.equal(back.to_dense(), dense)
 
 
+# Every layout torch has: how to make a tensor of it, and what its refusal says to store (None: it is stored).
+_LAYOUTS = {
+    "strided": (lambda d: d, None),
+    "sparse_coo": (lambda d: d.to_sparse(), r"store t\.to_dense\(\), or, smaller, the indices\(\)"),
+    "sparse_csr": (lambda d: d.to_sparse_csr(), r"store t\.to_dense\(\), or, smaller, t\.crow_indices\(\)"),
+    "sparse_csc": (lambda d: d.to_sparse_csc(), r"store t\.to_dense\(\), or, smaller, t\.ccol_indices\(\)"),
+    "sparse_bsr": (lambda d: d.to_sparse_bsr((2, 2)), r"store t\.to_dense\(\), or, smaller, t\.crow_indices\(\)"),
+    "sparse_bsc": (lambda d: d.to_sparse_bsc((2, 2)), r"store t\.to_dense\(\), or, smaller, t\.ccol_indices\(\)"),
+    "_mkldnn": (lambda d: d.to_mkldnn(), r"store t\.to_dense\(\)$"),  # no sparse parts to name
+    "jagged": (lambda d: torch.nested.nested_tensor(list(d), layout=torch.jagged), r"nested tensor.*unbind"),
+}  # fmt: skip
+
+
+def test_every_layout_is_stored_or_refused_with_the_fix_for_its_kind() -> None:
+    names = {n for n in dir(torch) if isinstance(getattr(torch, n), torch.layout)}
+    assert names <= set(_LAYOUTS), f"layouts with no case here, and maybe no fit refusal: {names - set(_LAYOUTS)}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CSC, the block layouts and jagged are "beta" in torch
+        for name in sorted(names):
+            if name == "_mkldnn" and not torch.backends.mkldnn.is_available():
+                continue  # a torch built without oneDNN makes none
+            make, fix = _LAYOUTS[name]
+            t = make(torch.eye(4))
+            if fix is None:
+                assert encode_state({"w": t}).tensors, name
+                continue
+            with pytest.raises(UnsupportedValue, match=rf"^/w: .*{fix}"):
+                encode_state({"w": t})
+
+
+def test_following_the_mkldnn_refusal_gives_back_the_tensor() -> None:
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch's CPU build has no oneDNN (mkldnn), so no tensor of layout torch._mkldnn")
+    t = torch.randn(3, 5, generator=torch.Generator().manual_seed(4)).to_mkldnn()
+    with pytest.raises(UnsupportedValue, match=r"^/w: a tensor of layout torch\._mkldnn cannot be stored; store "
+                                               r"t\.to_dense\(\)$") as refused:  # fmt: skip
+        encode_state({"w": t})
+    stored = eval(re.search(r"store (.+)$", str(refused.value))[1], {"t": t})  # the message's own expression
+    back = round_trip({"w": stored})["w"]
+    assert raw(back) == raw(t.to_dense()) and back.to_mkldnn().layout == t.layout
+
+
 @pytest.mark.parametrize(("make", "named"), [
     (lambda: torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), "an SGD"),
     (lambda: torch.nn.MSELoss(), "an MSELoss"),
