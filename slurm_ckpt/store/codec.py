@@ -634,10 +634,12 @@ def _array_part(a: Any) -> str:
         return "store a.view('int64') and str(a.dtype), and view it back with .view(dtype) after loading"
     if kind in "biufc" and not a.dtype.isnative:
         return "store it in native byte order, a.astype(a.dtype.newbyteorder('='))"
-    if kind in "biufc":  # a width no tensor has: long double
-        return (f"store its bytes, a.view(np.uint8), and view them back with .view(np.dtype('{a.dtype.str}')) "
-                "after loading, or cast it")  # fmt: skip
-    return "store a.tolist()"  # strings, bytes, objects
+    if kind in "biufc":  # a width no tensor has: long double. A copy: a 0-dim or strided one views as no bytes
+        return (f"store its bytes, np.ascontiguousarray(a).reshape(-1).view(np.uint8), and a.shape, and view "
+                f"them back with .view(np.dtype('{a.dtype.str}')).reshape(shape) after loading, or cast it")  # fmt: skip
+    if kind in "USV":  # np.array() of the list alone picks the longest item's width
+        return "store a.tolist() and str(a.dtype), and rebuild it with np.array(values, dtype=dtype) after loading"
+    return "store a.tolist()"  # objects
 
 
 def _usual_part(obj: Any) -> str | None:
@@ -659,6 +661,8 @@ def _usual_part(obj: Any) -> str | None:
         if type(obj) is np.ndarray:
             return _array_part(obj)
         if isinstance(obj, np.dtype):
+            if obj.names is not None:  # its .str ('|V12') has no fields; np.dtype(descr) makes fields of padding
+                return "store its .descr and rebuild it with np.lib.format.descr_to_dtype() after loading"
             return "store its .str and rebuild it with np.dtype() after loading"
     if isinstance(obj, (type, types.ModuleType, random.SystemRandom)):  # no state of their own to store
         return None

@@ -350,13 +350,15 @@ _ODD_ARRAYS = {
                    lambda a: a.astype(a.dtype.newbyteorder("=")), lambda got, a: got.astype(a.dtype)),
     "datetimes": (np.array(["2026-12-02", "2027-01-01"], "M8[D]"), "a.view('int64') and str(a.dtype)",
                   lambda a: {"v": a.view("int64"), "dtype": str(a.dtype)}, lambda got, a: got["v"].view(got["dtype"])),
-    "strings": (np.array([["ab", "c"], ["d", "ef"]]), "a.tolist()", lambda a: a.tolist(), lambda got, a: np.array(got)),
+    "strings": (np.array([["ab", "c"], ["d", "ef"]], dtype="<U7"), "a.tolist() and str(a.dtype)",
+                lambda a: {"v": a.tolist(), "dtype": str(a.dtype)}, lambda got, a: np.array(got["v"], dtype=got["dtype"])),
     # One record: NumPy calls its fields contiguous, with the record's size as their stride.
     "fields": (np.array([(1.5, 2)], dtype=[("x", "<f4"), ("n", "<i8")]), "each field (a['name'])",
                lambda a: {n: a[n] for n in a.dtype.names},
                lambda got, a: np.rec.fromarrays([got[n] for n in a.dtype.names], dtype=a.dtype).view(np.ndarray)),
-    "long_double": (np.array([1.0, 1 / 3], dtype=np.longdouble), "a.view(np.uint8)",
-                    lambda a: a.view(np.uint8), lambda got, a: got.view(np.dtype(a.dtype.str))),
+    "long_double": (np.array([1.0, 1 / 3], dtype=np.longdouble), "np.ascontiguousarray(a).reshape(-1).view(np.uint8)",
+                    lambda a: {"b": np.ascontiguousarray(a).reshape(-1).view(np.uint8), "shape": a.shape},
+                    lambda got, a: got["b"].view(np.dtype(a.dtype.str)).reshape(got["shape"])),
 }  # fmt: skip
 
 
@@ -369,6 +371,76 @@ def test_an_array_no_tensor_holds_is_refused_naming_its_dtype_and_a_fix_that_giv
     assert named in str(refused.value), str(refused.value)
     got = back(round_trip({"a": fix(a)})["a"], a)
     assert got.dtype == a.dtype and got.shape == a.shape and got.tobytes() == a.tobytes()
+
+
+@pytest.mark.parametrize("a", [
+    np.array(1 / 3, dtype=np.longdouble),  # 0-dim: views as no bytes as it is
+    np.arange(4, dtype=np.longdouble) / 3,
+    (np.arange(12, dtype=np.longdouble) / 7).reshape(3, 4).T,  # Fortran order
+    (np.arange(12, dtype=np.longdouble) / 7).reshape(3, 4)[:, ::2],  # strided
+    (np.arange(6, dtype=np.clongdouble) * (1 + 1j) / 7).reshape(2, 3)[::-1],
+], ids=["0d", "1d", "transposed", "sliced", "complex_reversed"])  # fmt: skip
+def test_following_the_long_double_advice_gives_back_every_bit_at_any_rank_and_order(a: np.ndarray) -> None:
+    with pytest.raises(UnsupportedValue) as refused:
+        encode_state({"a": a})
+    msg = str(refused.value)
+    named = re.search(r"store its bytes, (.+?), and a\.shape, and view them back with (\S+) after loading", msg)
+    assert named, msg
+    store, back = named.groups()
+    got = round_trip({"b": eval(store, {"a": a, "np": np}), "shape": a.shape})  # the message's own expressions
+    loaded = eval(f"b{back}", {"b": got["b"], "shape": got["shape"], "np": np})
+    assert loaded.dtype == a.dtype and loaded.shape == a.shape and loaded.tobytes() == a.tobytes()
+
+
+@pytest.mark.parametrize("a", [
+    np.array(["ab", "c"], dtype="<U7"),  # np.array(a.tolist()) alone gives <U2
+    np.array([[b"ab"], [b"c\x00"]], dtype="S5"),  # tolist() drops the trailing NUL; the width puts it back
+    np.array("xy", dtype="<U3"),
+    np.array([b"abc", b"d"], dtype="V3"),
+], ids=["str", "bytes", "str_0d", "void"])  # fmt: skip
+def test_following_the_string_array_advice_gives_back_its_width(a: np.ndarray) -> None:
+    with pytest.raises(UnsupportedValue) as refused:
+        encode_state({"a": a})
+    msg = str(refused.value)
+    named = re.search(r"store (a\.tolist\(\)) and (\S+), and rebuild it with (.+) after loading", msg)
+    assert named, msg
+    values, dtype, rebuild = named.groups()
+    got = round_trip({"v": eval(values, {"a": a}), "dtype": eval(dtype, {"a": a})})
+    back = eval(rebuild, {"np": np, "values": got["v"], "dtype": got["dtype"]})
+    assert back.dtype == a.dtype and back.shape == a.shape and back.tobytes() == a.tobytes()
+
+
+def test_an_object_array_is_told_its_tolist_alone() -> None:
+    # Its dtype is "object", which has no width to keep: np.array(values, dtype=object) gains nothing.
+    with pytest.raises(UnsupportedValue, match=r"^/a: cannot store a NumPy array of dtype object safely; "
+                                               r"store a\.tolist\(\), or pass"):  # fmt: skip
+        encode_state({"a": np.array([1, "a"], dtype=object)})
+
+
+_NP_DTYPES = {
+    "plain": np.dtype("<U7"),
+    "big_endian": np.dtype(">i2"),
+    "datetime": np.dtype("M8[s]"),
+    "fields": np.dtype([("a", "<i4"), ("b", "<f8")]),  # its .str is |V12: no fields
+    "padded": np.dtype({"names": ["a", "b"], "formats": ["<i4", "<f8"], "offsets": [0, 8], "itemsize": 24}),
+    "aligned": np.dtype([("a", "<i4"), ("b", "<f8")], align=True),
+    "nested": np.dtype([("a", "<i4", (2, 3)), ("b", [("c", "<f4")])]),
+}
+
+
+@pytest.mark.parametrize("kind", _NP_DTYPES)
+def test_following_the_dtype_advice_gives_back_the_dtype_with_its_fields(kind: str) -> None:
+    # np.dtype() of a padded one's .descr makes fields of its padding: it is not what the message names.
+    dt = _NP_DTYPES[kind]
+    with pytest.raises(UnsupportedValue) as refused:
+        encode_state({"d": dt})
+    msg = str(refused.value)
+    named = re.search(r"^/d: cannot store a NumPy dtype safely; store its \.(\w+) and rebuild it with ([\w.]+)\(\) "
+                      r"after loading, or pass", msg)  # fmt: skip
+    assert named, msg
+    attr, rebuild = named.groups()
+    back = eval(rebuild, {"np": np})(round_trip({"d": getattr(dt, attr)})["d"])
+    assert back == dt and back.descr == dt.descr
 
 
 def layout(a: np.ndarray) -> tuple[Any, ...]:
