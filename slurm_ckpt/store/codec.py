@@ -393,7 +393,7 @@ def encode_state(
             ref = memo[id(a)] = {tag: key}
         return ref
 
-    def enc(obj: Any, path: str) -> Any:
+    def enc(obj: Any, path: str, key: bool = False) -> Any:
         if type(obj) is tensor_type and obj.layout is strided:  # the common leaf, first
             return tensor_ref(obj, path)
         if obj is None or isinstance(obj, (bool, str)):
@@ -447,7 +447,7 @@ def encode_state(
             if all(type(k) is str and not k.startswith("$") for k in obj):
                 body: Any = {k: enc(v, f"{path}/{_escape(k)}") for k, v in obj.items()}
             else:
-                body = {"$items": [[enc(k, f"{path}/$key"), enc(v, f"{path}/{_escape(str(k))}")]
+                body = {"$items": [[enc(k, f"{path}/$key", key=True), enc(v, f"{path}/{_escape(str(k))}")]
                                    for k, v in obj.items()]}  # fmt: skip
             if type(obj) is Counter:
                 return {"$counter": body}
@@ -487,9 +487,8 @@ def encode_state(
             refs[0] += 1
             out.objects.append(obj)
             return {"$pickle": len(out.objects) - 1}
-        if path.endswith("/$key"):  # a dict's key: say which, and a fix that is hashable
-            where = f"{path.removesuffix('/$key') or '/'}, the key {obj!r:.60}"
-            fix = "key it by tuple(sorted(k)) instead" if isinstance(obj, frozenset) else _instead(obj)
+        if key:  # say which, and a fix that is hashable
+            where, fix = f"{path.removesuffix('/$key') or '/'}, the key {obj!r:.60}", _key_instead(obj)
         else:
             where, fix = path or "/", _instead(obj)
         raise UnsupportedValue(f"{where}: cannot store {_what(obj)} safely; "
@@ -613,6 +612,30 @@ def _instead(obj: Any) -> str:
     return usual or "convert it to tensors and plain values"
 
 
+def _key_instead(obj: Any) -> str:
+    """What to key a dict by in place of ``obj``, a key with no safe form: a fix that
+    gives something hashable, as a key must be (set(), asdict(), state_dict() do not)."""
+    import dataclasses
+    import datetime
+    import enum
+
+    if isinstance(obj, frozenset):  # not sorted(k): it raises for a mix of types
+        return "key it by tuple(sorted(k, key=repr)) instead"
+    if dataclasses.is_dataclass(obj):
+        return "key it by dataclasses.astuple(k) instead"
+    if isinstance(obj, tuple):  # a named tuple
+        return "key it by tuple(k) instead"
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(obj, numpy.dtype):
+        if obj.names is not None:  # a structured one: its .descr is a list
+            return ("key it by tuple(k.descr) instead, and rebuild it with "
+                    "np.lib.format.descr_to_dtype(list(key)) after loading")  # fmt: skip
+        return _instead(obj)  # its .str
+    if _torch_kind(obj) or isinstance(obj, (enum.Enum, datetime.date, datetime.time, datetime.timedelta)):
+        return _instead(obj)  # a str or a number: str() of it, .value, isoformat(), total_seconds()
+    return "key it by a str, an int or a tuple of them instead"
+
+
 def _what(obj: Any) -> str:
     """``obj``'s kind, as a refusal names it: its type, or a NumPy array's dtype."""
     if _package(obj) == "numpy":
@@ -653,7 +676,7 @@ def _usual_part(obj: Any) -> str | None:
     def has(*names: str) -> bool:
         return all(callable(getattr(obj, n, None)) for n in names)
 
-    if _package(obj) == "torch" and type(obj).__name__ in ("layout", "memory_format", "qscheme"):
+    if _torch_kind(obj):
         return "store str() of it and rebuild it with getattr(torch, s.removeprefix('torch.')) after loading"
     if _package(obj) == "numpy":
         import numpy as np
@@ -689,6 +712,11 @@ def _usual_part(obj: Any) -> str | None:
     if isinstance(obj, deque):
         return "store list() of it"
     return None
+
+
+def _torch_kind(obj: Any) -> bool:
+    """Whether ``obj`` is a torch layout, memory format or qscheme (``torch.strided``)."""
+    return _package(obj) == "torch" and type(obj).__name__ in ("layout", "memory_format", "qscheme")
 
 
 def _layout_part(layout: Any) -> str:

@@ -443,6 +443,17 @@ def test_following_the_dtype_advice_gives_back_the_dtype_with_its_fields(kind: s
     assert back == dt and back.descr == dt.descr
 
 
+def test_a_structured_dtype_key_is_told_a_hashable_form_it_is_rebuilt_from() -> None:
+    dt = _NP_DTYPES["padded"]
+    with pytest.raises(UnsupportedValue) as refused:
+        encode_state({"by": {dt: 1}})
+    msg = str(refused.value)
+    named = re.search(r"key it by (.+?) instead, and rebuild it with (.+) after loading", msg)
+    assert named, msg
+    (loaded,) = round_trip({"by": {eval(named[1], {"k": dt}): 1}})["by"]
+    assert eval(named[2], {"np": np, "key": loaded}) == dt
+
+
 def layout(a: np.ndarray) -> tuple[Any, ...]:
     return a.dtype, a.shape, a.strides, a.flags.c_contiguous, a.flags.f_contiguous, a.tobytes(order="A")
 
@@ -757,14 +768,42 @@ def test_an_object_with_no_safe_form_is_refused_naming_what_to_store_instead(key
         encode_state({"state": {key: obj}})
 
 
-def test_a_frozenset_key_is_refused_naming_the_key_and_a_fix_that_can_be_a_key() -> None:
-    # set() of it, the fix for a frozenset value, cannot be a dict key.
-    state = {"seen": {frozenset({2, 1}): 3, "n": 1}}
-    with pytest.raises(UnsupportedValue, match=r"^/seen, the key frozenset\(\{1, 2\}\): cannot store a frozenset "
-                                               r"safely; key it by tuple\(sorted\(k\)\) instead"):  # fmt: skip
-        encode_state(state)
-    fixed = {"seen": {tuple(sorted(k)) if isinstance(k, frozenset) else k: v for k, v in state["seen"].items()}}
-    assert round_trip(fixed) == {"seen": {(1, 2): 3, "n": 1}}
+@dataclasses.dataclass(frozen=True)
+class RunKey:
+    name: str
+    seed: int
+
+
+# The fix each value is told (set(), dataclasses.asdict(), _asdict()) cannot be a dict key.
+_BAD_KEYS = {
+    "frozenset": (frozenset({2, 1}), "tuple(sorted(k, key=repr))", (1, 2)),
+    "mixed_frozenset": (frozenset({1, "a"}), "tuple(sorted(k, key=repr))", ("a", 1)),  # sorted(k) raises
+    "dataclass": (RunKey("base", 3), "dataclasses.astuple(k)", ("base", 3)),
+    "named_tuple": (collections.namedtuple("Pair", "x y")(1, 2), "tuple(k)", (1, 2)),
+}
+
+
+@pytest.mark.parametrize("kind", _BAD_KEYS)
+def test_a_key_is_refused_naming_the_key_and_a_fix_that_can_be_a_key(kind: str) -> None:
+    k, fix, fixed = _BAD_KEYS[kind]
+    with pytest.raises(UnsupportedValue, match=rf"^/seen, the key {re.escape(repr(k))}: cannot store an? \w+ safely; "
+                                               rf"key it by {re.escape(fix)} instead, or pass") as refused:  # fmt: skip
+        encode_state({"seen": {k: 3, "n": 1}})
+    named = re.search(r"key it by (.+?) instead", str(refused.value))
+    assert named, str(refused.value)
+    key = eval(named[1], {"k": k, "dataclasses": dataclasses})  # the message's own expression
+    assert key == fixed
+    assert round_trip({"seen": {key: 3, "n": 1}}) == {"seen": {key: 3, "n": 1}}
+
+
+def test_a_value_under_the_key_dollar_key_is_refused_as_a_value_and_a_bad_key_as_a_key() -> None:
+    # A "$"-key makes the dict [key, value] pairs: the value's path ends in /$key, as a key's does.
+    with pytest.raises(UnsupportedValue, match=r"^/d/\$key: cannot store a frozenset safely; store set\(\) of it, "):
+        encode_state({"d": {"$key": frozenset({1})}})
+    assert round_trip({"d": {"$key": set(frozenset({1}))}}) == {"d": {"$key": {1}}}
+    with pytest.raises(UnsupportedValue, match=r"^/d, the key <object object at \w+>: cannot store an object safely; "
+                                               r"key it by a str, an int or a tuple of them instead, "):  # fmt: skip
+        encode_state({"d": {object(): 1}})
 
 
 def test_following_the_refusal_gives_back_torch_s_layouts_memory_formats_and_qschemes() -> None:
