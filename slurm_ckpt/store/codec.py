@@ -737,12 +737,17 @@ def _layout_part(layout: Any) -> str:
     return f"t.to_dense(), or, smaller, {parts}"
 
 
+_VOWEL_READ_AS_CONSONANT = re.compile(r"one|uni(?![mn])|use|usu|eu(?!ler)", re.IGNORECASE)
+"""Starts of words read with a consonant first: One..., Union, User...; not Uninitialized..., Euler..."""
+
+
 def _a(noun: str) -> str:
-    """``noun`` with its indefinite article: "an IntervalStrategy", "a dict", and for a
-    name read letter by letter, by the first letter's name: "an SGD", "a UUID"."""
+    """``noun`` with its indefinite article: "an IntervalStrategy", "a dict", "a UserDict", and
+    for a name read letter by letter, by the first letter's name: "an SGD", "a UUID"."""
     if noun[:2].isupper():
         return f"{'an' if noun[0] in 'AEFHILMNORSX' else 'a'} {noun}"
-    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+    vowel = noun[:1].lower() in "aeiou" and not _VOWEL_READ_AS_CONSONANT.match(noun)
+    return f"{'an' if vowel else 'a'} {noun}"
 
 
 def _dict_of_kind(tag: str, val: Any, dec: Callable[[Any], Any]) -> Any:

@@ -962,6 +962,16 @@ def test_following_the_mkldnn_refusal_gives_back_the_tensor() -> None:
     (lambda: uuid.uuid4(), "a UUID"),
     (lambda: torch.nn.Linear(1, 1), "a Linear"),
     (lambda: Opaque(1), "an Opaque"),
+    # A vowel read as a consonant: "one", "you".
+    (lambda: torch.optim.lr_scheduler.OneCycleLR(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]), 1.0,
+                                                 total_steps=2), "a OneCycleLR"),
+    (lambda: collections.UserDict(), "a UserDict"),
+    (lambda: type("UnigramTable", (), {})(), "a UnigramTable"),
+    (lambda: type("UsualSchedule", (), {})(), "a UsualSchedule"),
+    (lambda: type("EuclideanMetric", (), {})(), "a EuclideanMetric"),
+    # But not in these: un-initialized, and Euler read "oiler".
+    (lambda: type("UninitializedBuffer", (), {})(), "an UninitializedBuffer"),
+    (lambda: type("EulerDiscreteScheduler", (), {})(), "an EulerDiscreteScheduler"),
 ])  # fmt: skip
 def test_a_refusal_names_the_type_with_the_article_it_is_read_with(make: Any, named: str) -> None:
     with pytest.raises(UnsupportedValue, match=rf"^/x: cannot store {named} safely; "):
