@@ -405,7 +405,7 @@ def encode_state(
             ref = memo[id(a)] = {tag: key}
         return ref
 
-    def enc(obj: Any, path: str) -> Any:
+    def enc(obj: Any, path: str, key: bool = False) -> Any:
         if type(obj) is tensor_type and obj.layout is strided:  # the common leaf, first
             return tensor_ref(obj, path)
         if obj is None or isinstance(obj, (bool, str)):
@@ -429,7 +429,7 @@ def encode_state(
             if isinstance(obj, torch.Tensor):
                 if obj.layout != torch.strided and not obj.is_nested:
                     raise UnsupportedValue(f"{path or '/'}: a tensor of layout {obj.layout} cannot be "
-                                           f"stored; store {_sparse_parts(obj.layout)}")  # fmt: skip
+                                           f"stored; store {_layout_part(obj.layout)}")  # fmt: skip
                 return tensor_ref(obj, path)
             if isinstance(obj, torch.dtype):
                 return {"$dtype": str(obj).removeprefix("torch.")}
@@ -459,7 +459,7 @@ def encode_state(
             if all(type(k) is str and not k.startswith("$") for k in obj):
                 body: Any = {k: enc(v, f"{path}/{_escape(k)}") for k, v in obj.items()}
             else:
-                body = {"$items": [[enc(k, f"{path}/$key"), enc(v, f"{path}/{_escape(str(k))}")]
+                body = {"$items": [[enc(k, f"{path}/$key", key=True), enc(v, f"{path}/{_escape(str(k))}")]
                                    for k, v in obj.items()]}  # fmt: skip
             if type(obj) is Counter:
                 return {"$counter": body}
@@ -499,9 +499,8 @@ def encode_state(
             refs[0] += 1
             out.objects.append(obj)
             return {"$pickle": len(out.objects) - 1}
-        if path.endswith("/$key"):  # a dict's key: say which, and a fix that is hashable
-            where = f"{path.removesuffix('/$key') or '/'}, the key {obj!r:.60}"
-            fix = "key it by tuple(sorted(k)) instead" if isinstance(obj, frozenset) else _instead(obj)
+        if key:  # say which, and a fix that is hashable
+            where, fix = f"{path.removesuffix('/$key') or '/'}, the key {obj!r:.60}", _key_instead(obj)
         else:
             where, fix = path or "/", _instead(obj)
         raise UnsupportedValue(f"{where}: cannot store {_what(obj)} safely; "
@@ -625,6 +624,30 @@ def _instead(obj: Any) -> str:
     return usual or "convert it to tensors and plain values"
 
 
+def _key_instead(obj: Any) -> str:
+    """What to key a dict by in place of ``obj``, a key with no safe form: a fix that
+    gives something hashable, as a key must be (set(), asdict(), state_dict() do not)."""
+    import dataclasses
+    import datetime
+    import enum
+
+    if isinstance(obj, frozenset):  # not sorted(k): it raises for a mix of types
+        return "key it by tuple(sorted(k, key=repr)) instead"
+    if dataclasses.is_dataclass(obj):
+        return "key it by dataclasses.astuple(k) instead"
+    if isinstance(obj, tuple):  # a named tuple
+        return "key it by tuple(k) instead"
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(obj, numpy.dtype):
+        if obj.names is not None:  # a structured one: its .descr is a list
+            return ("key it by tuple(k.descr) instead, and rebuild it with "
+                    "np.lib.format.descr_to_dtype(list(key)) after loading")  # fmt: skip
+        return _instead(obj)  # its .str
+    if _torch_kind(obj) or isinstance(obj, (enum.Enum, datetime.date, datetime.time, datetime.timedelta)):
+        return _instead(obj)  # a str or a number: str() of it, .value, isoformat(), total_seconds()
+    return "key it by a str, an int or a tuple of them instead"
+
+
 def _what(obj: Any) -> str:
     """``obj``'s kind, as a refusal names it: its type, or a NumPy array's dtype."""
     if _package(obj) == "numpy":
@@ -646,10 +669,12 @@ def _array_part(a: Any) -> str:
         return "store a.view('int64') and str(a.dtype), and view it back with .view(dtype) after loading"
     if kind in "biufc" and not a.dtype.isnative:
         return "store it in native byte order, a.astype(a.dtype.newbyteorder('='))"
-    if kind in "biufc":  # a width no tensor has: long double
-        return (f"store its bytes, a.view(np.uint8), and view them back with .view(np.dtype('{a.dtype.str}')) "
-                "after loading, or cast it")  # fmt: skip
-    return "store a.tolist()"  # strings, bytes, objects
+    if kind in "biufc":  # a width no tensor has: long double. A copy: a 0-dim or strided one views as no bytes
+        return (f"store its bytes, np.ascontiguousarray(a).reshape(-1).view(np.uint8), and a.shape, and view "
+                f"them back with .view(np.dtype('{a.dtype.str}')).reshape(shape) after loading, or cast it")  # fmt: skip
+    if kind in "USV":  # np.array() of the list alone picks the longest item's width
+        return "store a.tolist() and str(a.dtype), and rebuild it with np.array(values, dtype=dtype) after loading"
+    return "store a.tolist()"  # objects
 
 
 def _usual_part(obj: Any) -> str | None:
@@ -663,7 +688,7 @@ def _usual_part(obj: Any) -> str | None:
     def has(*names: str) -> bool:
         return all(callable(getattr(obj, n, None)) for n in names)
 
-    if _package(obj) == "torch" and type(obj).__name__ in ("layout", "memory_format", "qscheme"):
+    if _torch_kind(obj):
         return "store str() of it and rebuild it with getattr(torch, s.removeprefix('torch.')) after loading"
     if _package(obj) == "numpy":
         import numpy as np
@@ -671,6 +696,8 @@ def _usual_part(obj: Any) -> str | None:
         if type(obj) is np.ndarray:
             return _array_part(obj)
         if isinstance(obj, np.dtype):
+            if obj.names is not None:  # its .str ('|V12') has no fields; np.dtype(descr) makes fields of padding
+                return "store its .descr and rebuild it with np.lib.format.descr_to_dtype() after loading"
             return "store its .str and rebuild it with np.dtype() after loading"
     if isinstance(obj, (type, types.ModuleType, random.SystemRandom)):  # no state of their own to store
         return None
@@ -699,27 +726,40 @@ def _usual_part(obj: Any) -> str | None:
     return None
 
 
-def _sparse_parts(layout: Any) -> str:
-    """What to store of a sparse tensor: dense, or (smaller) the parts it is rebuilt from."""
+def _torch_kind(obj: Any) -> bool:
+    """Whether ``obj`` is a torch layout, memory format or qscheme (``torch.strided``)."""
+    return _package(obj) == "torch" and type(obj).__name__ in ("layout", "memory_format", "qscheme")
+
+
+def _layout_part(layout: Any) -> str:
+    """What to store of a tensor not strided: dense, or for a sparse one (smaller) the parts it is rebuilt from."""
     import torch
 
     if layout == torch.sparse_coo:
         parts = ("the indices() and values() of t.coalesce(), and t.shape; rebuild it with "
                  "torch.sparse_coo_tensor(indices, values, shape)")  # fmt: skip
-    else:  # CSR, CSC, BSR, BSC: torch.sparse_compressed_tensor takes every one of them
+    elif layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        # torch.sparse_compressed_tensor takes every one of them
         compressed, plain = ("crow", "col") if layout in (torch.sparse_csr, torch.sparse_bsr) else ("ccol", "row")
         parts = (f"t.{compressed}_indices(), t.{plain}_indices(), t.values() and t.shape; rebuild it with "
                  f"torch.sparse_compressed_tensor({compressed}_indices, {plain}_indices, values, shape, "
                  f"layout={layout})")  # fmt: skip
+    else:  # mkldnn's: no smaller parts
+        return "t.to_dense()"
     return f"t.to_dense(), or, smaller, {parts}"
 
 
+_VOWEL_READ_AS_CONSONANT = re.compile(r"one|uni(?![mn])|use|usu|eu(?!ler)", re.IGNORECASE)
+"""Starts of words read with a consonant first: One..., Union, User...; not Uninitialized..., Euler..."""
+
+
 def _a(noun: str) -> str:
-    """``noun`` with its indefinite article: "an IntervalStrategy", "a dict", and for a
-    name read letter by letter, by the first letter's name: "an SGD", "a UUID"."""
+    """``noun`` with its indefinite article: "an IntervalStrategy", "a dict", "a UserDict", and
+    for a name read letter by letter, by the first letter's name: "an SGD", "a UUID"."""
     if noun[:2].isupper():
         return f"{'an' if noun[0] in 'AEFHILMNORSX' else 'a'} {noun}"
-    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+    vowel = noun[:1].lower() in "aeiou" and not _VOWEL_READ_AS_CONSONANT.match(noun)
+    return f"{'an' if vowel else 'a'} {noun}"
 
 
 def _dict_of_kind(tag: str, val: Any, dec: Callable[[Any], Any]) -> Any:
