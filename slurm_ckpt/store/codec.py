@@ -1101,6 +1101,7 @@ def decode_state(
     place: Callable[[str], str] | None = None,
     into: Mapping[str, Any] | None = None,
     copied: Mapping[str, Any] | None = None,
+    shared: set[str] | None = None,
 ) -> Any:
     """Rebuild a state from its JSON tree; ``load_tensor(key)`` returns a data-file entry.
 
@@ -1110,7 +1111,8 @@ def decode_state(
     values into and return instead (those the reader already filled in place
     come back as they are). Where ``into``'s tensors overlap in memory, they are
     copied into last, in ``into``'s order, as ``load_state_dict`` copies: where
-    they overlap, the last one's values stay. ``copied``: NumPy arrays by key
+    they overlap, the last one's values stay (``shared``: their keys, where the
+    caller knows them already). ``copied``: NumPy arrays by key
     (``EncodedState.copied``) that get the values their targets in ``into`` were
     loaded with, and are returned in their place.
     """
@@ -1121,8 +1123,10 @@ def decode_state(
     objects: list[Any] | None = None
     targets = into or {}
     copies = copied or {}
-    shared = overlapping(targets)
+    if shared is None:
+        shared = overlapping(targets)
     last: dict[str, Any] = {}  # what the shared targets get, copied in at the end
+    late: dict[str, Any] = {}  # the targets of copied arrays among them, as the arrays are shaped
 
     def tensor(key: str) -> Any:
         if key not in tensors:
@@ -1169,11 +1173,17 @@ def decode_state(
             a = filled(key, tensor(key)).numpy()
             arrays[key, flip] = a.T if flip else a
             if key in copies:  # the caller's array, which no tensor could view: given the values
-                import numpy as np
-
-                np.copyto(copies[key], arrays[key, flip])
+                if key not in shared:
+                    given(key, arrays[key, flip])
+                else:  # once its target is copied into, at the end
+                    late[key] = a.T if flip else a
                 arrays[key, flip] = copies[key]
         return arrays[key, flip]
+
+    def given(key: str, values: Any) -> None:
+        import numpy as np
+
+        np.copyto(copies[key], values)
 
     def dec(obj: Any) -> Any:
         nonlocal objects
@@ -1241,6 +1251,8 @@ def decode_state(
     out = dec(tree)
     for key in (k for k in targets if k in last):
         targets[key].copy_(last[key])
+        if key in late:
+            given(key, late[key])
     return out
 
 

@@ -11,7 +11,7 @@ import pickle
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import CheckpointCorrupt, ConfigError, UnsafeLoad, storage_error
 from .codec import (
@@ -125,8 +125,7 @@ def load_state(
         tree = json.loads((ckpt / STATE_FILE).read_bytes())
     except OSError as e:
         raise storage_error(e, "cannot read state", ckpt / STATE_FILE) from e
-    targets, whole, copied = _into_targets(ckpt, man, tree, into)
-    shared = overlapping(targets)
+    targets, whole, copied, shared = _into_targets(ckpt, man, tree, into)
     place = placement(map_location)
     by_file: dict[str, list[str]] = {}
     for key, info in man.tensors.items():
@@ -152,7 +151,7 @@ def load_state(
             "pass trusted=True only if you trust who wrote it"
         )
     return decode_state(tree, load_tensor, lambda: (ckpt / OBJECTS_FILE).read_bytes(), trusted=trusted,
-                        place=place, into=targets, copied=copied)  # fmt: skip
+                        place=place, into=targets, copied=copied, shared=shared)  # fmt: skip
 
 
 def placement(map_location: Any) -> Callable[[str], str]:
@@ -184,12 +183,23 @@ def refuse_meta(ckpt: Path, key: str, t: Any) -> None:
         )
 
 
-def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict[str, Any], set[str], dict[str, Any]]:
-    """The tensors of ``into`` by key, each checked against the saved tensor at its place;
-    the keys of those stored whole and of the saved dtype (which a reader may fill in
-    place); and the arrays loaded through copies (``EncodedState.copied``)."""
+class _Into(NamedTuple):
+    """What a load ``into=`` fills, by the saved tensors' keys."""
+
+    targets: dict[str, Any]
+    """``into``'s tensors, in ``into``'s order."""
+    whole: set[str]
+    """Those stored whole and of the saved dtype: a reader may fill them in place."""
+    copied: dict[str, Any]
+    """The arrays that get their targets' values (``EncodedState.copied``)."""
+    shared: set[str]
+    """Those copied in last, in ``into``'s order: their memory overlaps another's."""
+
+
+def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> _Into:
+    """The targets of ``into``, each checked against the saved tensor at its place."""
     if into is None:
-        return {}, set(), {}
+        return _Into({}, set(), {}, set())
     matched = encode_state(into, allow_pickle=True, prepare=lambda t: t, stored=False)
     targets, copied = match_into(ckpt, tree, matched.tree, matched.leaves, matched.copied)
     flipped: set[str] = set()
@@ -214,4 +224,22 @@ def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> tuple[dict
         # cast, once read, as load_state_dict and DCP cast.
         if view is None and torch_dtype_name(info.get("dtype")) == str(t.dtype):
             whole.add(key)
-    return targets, whole, copied
+    # A view tied in into as it was when saved (a model's tied head, in its embedding's
+    # memory) gets its values with its base's, in whatever order: it does not keep the
+    # base from being read in place.
+    tied = {key: rec["of"] for key, rec in saved.items()
+            if rec is not None and key in targets and _tied_as_saved(targets[key], rec, targets, whole)}  # fmt: skip
+    shared = overlapping({k: t for k, t in targets.items() if k not in tied})
+    shared |= {key for key, base in tied.items() if base in shared}
+    return _Into(targets, whole, copied, shared)
+
+
+def _tied_as_saved(t: Any, rec: dict[str, Any], targets: dict[str, Any], whole: set[str]) -> bool:
+    """Whether target ``t`` of a ``$view`` record lies in its base's target just where
+    the view lay in its base: as memory, the same tensor as the base's read gives it."""
+    base = targets.get(rec["of"])
+    if base is None or rec["of"] == rec["key"] or rec["of"] not in whole or rec.get("conj") or rec.get("neg"):
+        return False
+    return (t.dtype == base.dtype and torch_dtype_name(rec["dtype"]) == str(t.dtype) and t.device == base.device
+            and list(t.stride()) == rec["stride"]
+            and t.data_ptr() == base.data_ptr() + rec["offset"] * t.element_size())  # fmt: skip

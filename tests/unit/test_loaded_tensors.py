@@ -164,7 +164,23 @@ def test_views_of_one_storage_are_stored_once_in_a_plain_safetensors_file(tmp_pa
     assert torch.equal(got["t"], state["t"]) and got["t"].stride() == (1, 256)
 
 
-def test_into_fills_tied_weights_and_views_in_place(tmp_path: Path) -> None:
+@pytest.fixture
+def read_in_place(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The keys each file read wrote straight into the caller's tensors (a spy on the reader)."""
+    from slurm_ckpt.engine import reader
+
+    seen: list[list[str]] = []
+    real = reader._read
+
+    def spy(*args: Any) -> Any:
+        seen.append(sorted(args[-1]))  # in_place: the targets read into
+        return real(*args)
+
+    monkeypatch.setattr(reader, "_read", spy)
+    return seen
+
+
+def test_into_fills_tied_weights_and_views_in_place(tmp_path: Path, read_in_place: list[list[str]]) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(300, 1024), torch.nn.Linear(1024, 300, bias=False))
     model[1].weight = model[0].weight  # tied: 1.2 MiB, read in place
@@ -180,6 +196,8 @@ def test_into_fills_tied_weights_and_views_in_place(tmp_path: Path) -> None:
         got = ck.load_latest(into=into)
     assert fresh[0].weight.data_ptr() == ptr and fresh[1].weight is fresh[0].weight
     assert torch.equal(fresh[0].weight, model[0].weight)
+    # The head is the embedding's memory, as when saved: it keeps nothing from the read in place.
+    assert read_in_place == [["model/0.weight"]]
     assert torch.equal(mine, buf) and got["buf"] is mine
     assert got["every_other"] is into["every_other"] and torch.equal(got["every_other"], buf[::2])
 
@@ -313,7 +331,8 @@ def test_into_targets_that_share_memory_get_what_load_state_dict_gives_them(tmp_
         assert torch.equal(mine, want), order
 
 
-def test_only_targets_whose_bytes_overlap_are_kept_from_reads_in_place(tmp_path: Path) -> None:
+def test_only_targets_whose_bytes_overlap_are_kept_from_reads_in_place(tmp_path: Path,
+                                                                      read_in_place: list[list[str]]) -> None:  # fmt: skip
     # What a strided target can touch is its own extent in its storage, not the whole
     # storage: a disjoint neighbour on the same buffer is still read straight into.
     from slurm_ckpt.store.codec import overlapping
@@ -334,6 +353,7 @@ def test_only_targets_whose_bytes_overlap_are_kept_from_reads_in_place(tmp_path:
         want = ck.load_latest()
     assert got["a"] is a and torch.equal(a, want["a"]) and torch.equal(apart, want["apart"])
     assert not buf[2 * n :].any()
+    assert read_in_place == [["a"], []]  # the second load, without into=, reads into nothing
 
 
 def test_into_arrays_no_tensor_can_view_get_the_values_too(tmp_path: Path) -> None:
@@ -356,6 +376,13 @@ def test_into_arrays_no_tensor_can_view_get_the_values_too(tmp_path: Path) -> No
     assert records.tolist() == [(0.5, 7), (1.5, 8), (2.5, 9)]
     # A read-only array is left alone: the loaded values are in a copy of their own.
     assert not frozen.any() and got["frozen"] is not frozen and np.array_equal(got["frozen"], state["frozen"])
+    # One such array given at two places saved apart: the last place's values, as for a tensor.
+    shutil.rmtree(tmp_path / "run")
+    saved({"a": np.array([1.0, 2.0, 3.0]), "b": np.array([4.0, 5.0, 6.0])}, tmp_path)
+    both = np.zeros(6)[::-2]
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        got = ck.load_latest(into={"a": both, "b": both})
+    assert both.tolist() == [4.0, 5.0, 6.0] and got["a"] is both and got["b"] is both
 
 
 def test_arrays_with_negative_strides_on_dims_of_size_1_save_and_load(tmp_path: Path) -> None:
