@@ -250,10 +250,11 @@ def _value(ckpt: Path, fqn: str, value: Any, objects: Callable[[], list[Any]]) -
     not (``slurm_ckpt.sharded``'s, which decodes the state itself) is not disturbed by it.
     """
     if isinstance(value, _Clash):
-        places = " and ".join("/" + "/".join(map(str, p)) for p in value.paths)
-        return Refused(f"{ckpt}: DCP's key {fqn!r} stands for the values at both {places}, which no load through "
-                       "DCP can tell apart; load this checkpoint with slurm_ckpt.sharded.load or "
-                       "Checkpointer.load_latest")  # fmt: skip
+        # DCP's paths hold str() of each key: 1 and "1" are one place to print.
+        places = " and ".join(dict.fromkeys("state" + "".join(f"[{k!r}]" for k in p) for p in value.paths))
+        return Refused(f"{ckpt}: DCP's name {fqn!r} stands for {len(value.paths)} places of the saved state "
+                       f"({places}: dict keys that print alike, as 1 and '1', or a key with a dot beside nested "
+                       "ones), which no load through DCP can tell apart; load it with Checkpointer.load_latest")  # fmt: skip
     if _holds(value, _Transposed):
         return Refused(f"{ckpt}: {fqn!r} is or holds a NumPy array in Fortran order, stored as its transpose, "
                        "which DCP cannot read as the array; load this checkpoint with Checkpointer.load_latest")  # fmt: skip

@@ -94,6 +94,11 @@ class StorageReader(_dcp_storage.StorageReader):
     pickled (``allow_pickle``) only with ``trusted=True``.
     """
 
+    by_stored_key = False
+    """True where the caller asks for tensors by their stored keys, which no two
+    share (``slurm_ckpt.sharded``'s loads): a flattened name that two places of
+    the state share, which a ``dcp.load`` asking for it is refused, means one."""
+
     def __init__(self, path: str | os.PathLike[str] | None = None, *, search: Sequence[str | os.PathLike[str]] = (),
                  config: Config | None = None, trusted: bool = False,
                  scratch: str | os.PathLike[str] | bool | None = None) -> None:  # fmt: skip
@@ -138,9 +143,10 @@ class StorageReader(_dcp_storage.StorageReader):
             values = state_values(ckpt, man, trusted=self.trusted)
             for fqn in values.keys() - metadata.state_dict_metadata.keys():
                 metadata.state_dict_metadata[fqn] = BytesStorageMetadata()
-            # Not one of DCP's tensors: a value can share a tensor's key where two places flatten to one.
-            self._values = {k: v for k, v in values.items()
-                            if isinstance(metadata.state_dict_metadata.get(k), BytesStorageMetadata)}  # fmt: skip
+            # A value can share a tensor's name where two places flatten to one: a load
+            # asking for that name is refused (Refused), else it asks for the tensor.
+            self._values = {k: v for k, v in values.items() if isinstance(v, Refused)
+                            or isinstance(metadata.state_dict_metadata.get(k), BytesStorageMetadata)}  # fmt: skip
         else:
             metadata, self._values = plain_metadata(ckpt, man, trusted=self.trusted)
         self.checkpoint, self.manifest, self._metadata = ckpt, man, metadata
@@ -165,7 +171,7 @@ class StorageReader(_dcp_storage.StorageReader):
 
         for req in plan.items:  # before anything is read into the caller's state
             value = self._values.get(req.storage_index.fqn)
-            if isinstance(value, Refused):
+            if isinstance(value, Refused) and not (self.by_stored_key and req.type != LoadItemType.BYTE_IO):
                 raise ConfigError(value.why)
         man = self.manifest
         return dataclasses.replace(plan, storage_data=(str(self.checkpoint), man.step if man else None,

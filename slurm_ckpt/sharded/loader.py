@@ -111,6 +111,7 @@ def load_one(ckpt: Path, man: Manifest | None, into: Split | None, ranks: Ranks,
         return None, "; ".join(bad)
     assert plan is not None
     reader = StorageReader(ckpt, config=config)
+    reader.by_stored_key = True
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

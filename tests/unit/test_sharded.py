@@ -354,8 +354,13 @@ def test_keys_that_dcp_flattens_alike_load_and_into_is_matched_by_place(run_dir:
     got = sharded.load(run_dir)
     assert got is not None and got.state["v"] == {1: 5, "1": 6} and got.state["a.b"] == 7
     assert torch.equal(got.state["d"][1], a) and torch.equal(got.state["d"]["1"], b)
-    with pytest.raises(BaseException, match=r"DCP's key 'v.1' stands for the values at both /v/1 and /v/1"):
-        dcp.load({"v": {1: 0}}, storage_reader=StorageReader(run_dir))  # dcp.load wraps it in its CheckpointException
+    # dcp.load wraps the refusal in its CheckpointException.
+    with pytest.raises(BaseException, match=r"DCP's name 'v.1' stands for 2 places of the saved state \(state\['v'\]\['1'\]: "):
+        dcp.load({"v": {1: 0}}, storage_reader=StorageReader(run_dir))
+    with pytest.raises(BaseException, match=r"name 'd.1' stands for 2 places .*Checkpointer.load_latest"):
+        dcp.load({"d": {1: torch.zeros(3)}}, storage_reader=StorageReader(run_dir))
+    with pytest.raises(BaseException, match=r"name 'a.b' stands for 2 places .*\(state\['a.b'\] and state\['a'\]\['b'\]: "):
+        dcp.load({"a": {"b": torch.zeros(1)}}, storage_reader=StorageReader(run_dir))
     into = {"d": {"1": torch.zeros(3), 1: torch.zeros(3)}}  # the other order: keyed by the path, swapped
     got = sharded.load(run_dir, into=into)
     assert got is not None
