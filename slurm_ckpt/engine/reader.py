@@ -162,8 +162,8 @@ def _changed(t: Any) -> None:
 
 def _in_place(t: Any) -> bool:
     """Whether the reader may write ``t``'s memory directly: its values are its bytes."""
-    return (t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-            and t.numel() * t.element_size() >= _BIG)  # fmt: skip
+    return (t.nbytes >= _BIG and t.is_cpu and t.is_contiguous() and not t.is_conj()
+            and not t.is_neg())  # fmt: skip
 
 
 _Entry = tuple[str, Any, list[int], int, int]

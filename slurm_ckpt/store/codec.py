@@ -1000,11 +1000,11 @@ def _ref_key(node: Any) -> str | None:
     return None
 
 
-def _children(node: Any) -> dict[str, Any] | None:
+def _children(node: Any) -> dict[Any, Any] | None:
     """A container's children by place: a list's and a tuple's by index, a dict's by
     its key as encoded (so that 1 and "1" are two places), of any kind of dict."""
     if isinstance(node, list):
-        return {str(i): v for i, v in enumerate(node)}
+        return dict(enumerate(node))
     if not isinstance(node, dict):
         return None
     if len(node) == 1:
@@ -1015,10 +1015,12 @@ def _children(node: Any) -> dict[str, Any] | None:
         if tag in ("$counter", "$namespace", "$tuple"):
             return _children(val)
         if tag == "$items" and isinstance(val, list):
-            return {json.dumps(kv[0], sort_keys=True): kv[1] for kv in val if isinstance(kv, list) and len(kv) == 2}
+            # A str key as in a plain dict; any other as its JSON, apart from every str.
+            return {k if isinstance(k, str) else ("$", json.dumps(k, sort_keys=True)): v
+                    for k, v in (kv for kv in val if isinstance(kv, list) and len(kv) == 2)}  # fmt: skip
         if tag.startswith("$"):
             return None  # a leaf: a number, bytes, a pickle
-    return {json.dumps(k): v for k, v in node.items()}
+    return node
 
 
 def match_into(where: Any, saved: Any, into: Any, tensors: Mapping[str, Any],
@@ -1035,34 +1037,49 @@ def match_into(where: Any, saved: Any, into: Any, tensors: Mapping[str, Any],
     """
     targets: dict[str, Any] = {}
     given: dict[str, str] = {}
-    todo = [(saved, into)]
+    places: dict[str, str] = {}  # where each saved tensor was first given, for messages
+    todo: list[tuple[Any, Any, str]] = [(saved, into, "")]
     while todo:
-        s, i = todo.pop()
+        s, i, place = todo.pop()
         mine = _ref_key(i)
         if mine is None:
             children = _children(i)
             if children:
                 theirs = _children(s) or {}
-                todo.extend(reversed([(theirs.get(k), v) for k, v in children.items()]))
+                todo.extend(reversed([(theirs.get(k), v, f"{place}[{_place(k)}]") for k, v in children.items()]))
             continue
         key = _ref_key(s)
         if key is None:
             # It would keep its old values without a word, and a trainer that relies
             # on into= would train on from them.
             raise ValueError(
-                f"into= holds a tensor at {mine!r} where {where} holds none: pass a state shaped like the "
+                f"into= holds a tensor at into{place} where {where} holds none: pass a state shaped like the "
                 "saved one (saved as {'model': model.state_dict(), ...}, load with into={'model': "
                 "model.state_dict()})"
             )
-        if given.setdefault(key, mine) != mine:
+        if given.setdefault(key, mine) != mine and not _same_tensor(tensors[given[key]], tensors[mine]):
             # Which one would get the values, and which the returned state would hold?
             raise ValueError(
-                f"{where} holds one tensor at both {given[key]!r} and {mine!r} (tied when saved), and into= "
-                "gives two: tie them in the model as they were, or load without into= and pass the result "
-                "to load_state_dict()"
+                f"{where} holds one tensor at both into{places[key]} and into{place} (one object at both places "
+                "when saved, as tied weights are), and into= gives two there: tie them as they were, or load "
+                "without into= and pass the result to load_state_dict()"
             )
-        targets[key] = tensors[mine]
+        places.setdefault(key, place)
+        targets[key] = tensors[given[key]]
     return targets, {key: copied[mine] for key, mine in given.items() if mine in copied}
+
+
+def _place(key: Any) -> str:
+    """A child's place as a subscript: a dict's key or a list's index as Python
+    writes it; a key that is no str nor int, as stored (its JSON)."""
+    return key[1] if isinstance(key, tuple) else repr(key)
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are one tensor as memory (a tied weight's two ``detach()``es)."""
+    a, b = (t.to_local() if is_dtensor(t) else t for t in (a, b))
+    return bool(a.dtype == b.dtype and a.device == b.device and a.shape == b.shape and a.stride() == b.stride()
+                and a.data_ptr() == b.data_ptr())  # fmt: skip
 
 
 def overlapping(targets: Mapping[str, Any]) -> set[str]:

@@ -427,9 +427,19 @@ def test_into_one_tensor_at_two_places_gets_what_load_state_dict_gives_it(tmp_pa
     # One tensor saved at two places, given as two: refused, naming both, before any read.
     mine, other = torch.zeros(4), torch.zeros(4)
     with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck, \
-            pytest.raises(ValueError, match=r"one tensor at both 'tied' and 'tied_too'.*load_state_dict"):  # fmt: skip
+            pytest.raises(ValueError, match=r"one tensor at both into\['tied'\] and into\['tied_too'\].*load_state_dict"):  # fmt: skip
         ck.load_latest(into={"tied": mine, "tied_too": other})
     assert not mine.any() and not other.any()
+    # Unless the two are one tensor as memory: a tied model's state_dict() (two detach()es
+    # of one weight), into a checkpoint of state_dict(keep_vars=True) (the weight itself).
+    torch.manual_seed(0)
+    tied = _LM(tie=True)
+    shutil.rmtree(tmp_path / "run")
+    saved({"model": tied.state_dict(keep_vars=True)}, tmp_path)
+    fresh = _LM(tie=True)
+    with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
+        ck.load_latest(into={"model": fresh.state_dict()})
+    assert torch.equal(fresh.emb.weight, tied.emb.weight) and fresh.head.weight is fresh.emb.weight
 
 
 def test_a_parameter_read_in_place_is_marked_changed_as_load_state_dict_marks_it(tmp_path: Path) -> None:
