@@ -103,8 +103,10 @@ def read_tensor_file(
             targets = _targets(path, layout, into or {})
             if targets and use_mmap:
                 raise ValueError("into= and mmap=True do not mix: mmap maps the file, into= reads into your tensors")
-            shared = overlapping(targets)
-            in_place = {k: t for k, t in targets.items() if k not in shared and _in_place(t)}
+            in_place = {k: t for k, t in targets.items() if _in_place(t)}
+            if in_place:  # none of them where it overlaps another target
+                shared = overlapping(targets)
+                in_place = {k: t for k, t in in_place.items() if k not in shared}
             with _suppress_unsupported():
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             if use_mmap:

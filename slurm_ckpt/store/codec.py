@@ -991,13 +991,12 @@ def tensor_refs(tree: Any, flipped: set[str] | None = None) -> dict[str, dict[st
 
 def _ref_key(node: Any) -> str | None:
     """The key of the tensor or array a tree node refers to; None if it is none."""
-    if isinstance(node, dict) and len(node) == 1:
-        (tag, val), = node.items()
-        if tag in ("$t", "$np", "$npT") and isinstance(val, str):
-            return val
-        if tag == "$view" and isinstance(val, dict) and isinstance(val.get("key"), str):
-            return val["key"]
-    return None
+    if type(node) is not dict or len(node) != 1:
+        return None
+    key = node.get("$t") or node.get("$np") or node.get("$npT")  # the first: the common one
+    if key is None and type(view := node.get("$view")) is dict:
+        key = view.get("key")
+    return key if type(key) is str else None
 
 
 def _children(node: Any) -> dict[Any, Any] | None:
@@ -1037,8 +1036,9 @@ def match_into(where: Any, saved: Any, into: Any, tensors: Mapping[str, Any],
     """
     targets: dict[str, Any] = {}
     given: dict[str, str] = {}
-    places: dict[str, str] = {}  # where each saved tensor was first given, for messages
-    todo: list[tuple[Any, Any, str]] = [(saved, into, "")]
+    places: dict[str, Any] = {}  # where each saved tensor was first given, for messages
+    # A place is (key, its container's place): made into text only for a message.
+    todo: list[tuple[Any, Any, Any]] = [(saved, into, None)]
     while todo:
         s, i, place = todo.pop()
         mine = _ref_key(i)
@@ -1046,33 +1046,37 @@ def match_into(where: Any, saved: Any, into: Any, tensors: Mapping[str, Any],
             children = _children(i)
             if children:
                 theirs = _children(s) or {}
-                todo.extend(reversed([(theirs.get(k), v, f"{place}[{_place(k)}]") for k, v in children.items()]))
+                todo.extend([(theirs.get(k), v, (k, place)) for k, v in reversed(children.items())])
             continue
         key = _ref_key(s)
         if key is None:
             # It would keep its old values without a word, and a trainer that relies
             # on into= would train on from them.
             raise ValueError(
-                f"into= holds a tensor at into{place} where {where} holds none: pass a state shaped like the "
+                f"into= holds a tensor at {_place(place)} where {where} holds none: pass a state shaped like the "
                 "saved one (saved as {'model': model.state_dict(), ...}, load with into={'model': "
                 "model.state_dict()})"
             )
         if given.setdefault(key, mine) != mine and not _same_tensor(tensors[given[key]], tensors[mine]):
             # Which one would get the values, and which the returned state would hold?
             raise ValueError(
-                f"{where} holds one tensor at both into{places[key]} and into{place} (one object at both places "
-                "when saved, as tied weights are), and into= gives two there: tie them as they were, or load "
-                "without into= and pass the result to load_state_dict()"
+                f"{where} holds one tensor at both {_place(places[key])} and {_place(place)} (one object at both "
+                "places when saved, as tied weights are), and into= gives two there: tie them as they were, or "
+                "load without into= and pass the result to load_state_dict()"
             )
         places.setdefault(key, place)
         targets[key] = tensors[given[key]]
     return targets, {key: copied[mine] for key, mine in given.items() if mine in copied}
 
 
-def _place(key: Any) -> str:
-    """A child's place as a subscript: a dict's key or a list's index as Python
-    writes it; a key that is no str nor int, as stored (its JSON)."""
-    return key[1] if isinstance(key, tuple) else repr(key)
+def _place(place: Any) -> str:
+    """A place in ``into`` as Python subscripts it (``into['model']['w']``): a dict's
+    key or a list's index as Python writes it, a key of another kind as stored (its JSON)."""
+    out = []
+    while place is not None:
+        key, place = place
+        out.append(key[1] if isinstance(key, tuple) else repr(key))
+    return "into" + "".join(f"[{k}]" for k in reversed(out))
 
 
 def _same_tensor(a: Any, b: Any) -> bool:
@@ -1095,7 +1099,7 @@ def overlapping(targets: Mapping[str, Any]) -> set[str]:
             steps = [(d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True)]
             size = t.element_size()
             lo, n = lo + sum(min(0, x) for x in steps) * size, (sum(abs(x) for x in steps) + 1) * size
-        spans.append((str(t.device), lo, lo + n, key))
+        spans.append(("" if t.is_cpu else str(t.device), lo, lo + n, key))
     spans.sort()
     out: set[str] = set()
     device, reach, last = "", -1, ""
