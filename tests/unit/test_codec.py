@@ -373,6 +373,15 @@ def test_an_array_no_tensor_holds_is_refused_naming_its_dtype_and_a_fix_that_giv
     assert got.dtype == a.dtype and got.shape == a.shape and got.tobytes() == a.tobytes()
 
 
+def advice(state: Any, pattern: str) -> tuple[str, ...]:
+    """The parts of the fix that refusing ``state`` names, as ``pattern``'s groups find them."""
+    with pytest.raises(UnsupportedValue) as refused:
+        encode_state(state)
+    named = re.search(pattern, str(refused.value))
+    assert named, str(refused.value)
+    return named.groups()
+
+
 @pytest.mark.parametrize("a", [
     np.array(1 / 3, dtype=np.longdouble),  # 0-dim: views as no bytes as it is
     np.arange(4, dtype=np.longdouble) / 3,
@@ -381,12 +390,7 @@ def test_an_array_no_tensor_holds_is_refused_naming_its_dtype_and_a_fix_that_giv
     (np.arange(6, dtype=np.clongdouble) * (1 + 1j) / 7).reshape(2, 3)[::-1],
 ], ids=["0d", "1d", "transposed", "sliced", "complex_reversed"])  # fmt: skip
 def test_following_the_long_double_advice_gives_back_every_bit_at_any_rank_and_order(a: np.ndarray) -> None:
-    with pytest.raises(UnsupportedValue) as refused:
-        encode_state({"a": a})
-    msg = str(refused.value)
-    named = re.search(r"store its bytes, (.+?), and a\.shape, and view them back with (\S+) after loading", msg)
-    assert named, msg
-    store, back = named.groups()
+    store, back = advice({"a": a}, r"store its bytes, (.+?), and a\.shape, and view them back with (\S+) after loading")
     got = round_trip({"b": eval(store, {"a": a, "np": np}), "shape": a.shape})  # the message's own expressions
     loaded = eval(f"b{back}", {"b": got["b"], "shape": got["shape"], "np": np})
     assert loaded.dtype == a.dtype and loaded.shape == a.shape and loaded.tobytes() == a.tobytes()
@@ -399,12 +403,7 @@ def test_following_the_long_double_advice_gives_back_every_bit_at_any_rank_and_o
     np.array([b"abc", b"d"], dtype="V3"),
 ], ids=["str", "bytes", "str_0d", "void"])  # fmt: skip
 def test_following_the_string_array_advice_gives_back_its_width(a: np.ndarray) -> None:
-    with pytest.raises(UnsupportedValue) as refused:
-        encode_state({"a": a})
-    msg = str(refused.value)
-    named = re.search(r"store (a\.tolist\(\)) and (\S+), and rebuild it with (.+) after loading", msg)
-    assert named, msg
-    values, dtype, rebuild = named.groups()
+    values, dtype, rebuild = advice({"a": a}, r"store (a\.tolist\(\)) and (\S+), and rebuild it with (.+) after loading")
     got = round_trip({"v": eval(values, {"a": a}), "dtype": eval(dtype, {"a": a})})
     back = eval(rebuild, {"np": np, "values": got["v"], "dtype": got["dtype"]})
     assert back.dtype == a.dtype and back.shape == a.shape and back.tobytes() == a.tobytes()
