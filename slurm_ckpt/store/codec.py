@@ -1047,6 +1047,12 @@ def match_into(where: Any, saved: Any, into: Any, tensors: Mapping[str, Any],
             if children:
                 theirs = _children(s) or {}
                 todo.extend([(theirs.get(k), v, (k, place)) for k, v in reversed(children.items())])
+            elif isinstance(i, dict) and "$pickle" in i and _ref_key(s) is not None:
+                # A value no tensor can hold (a big-endian array): nothing to load into.
+                raise ValueError(
+                    f"into= holds at {_place(place)} a value that cannot be loaded into, where {where} holds a "
+                    "tensor or array: pass a tensor (or a native-order NumPy array) there, or load without into="
+                )
             continue
         key = _ref_key(s)
         if key is None:
@@ -1056,6 +1062,13 @@ def match_into(where: Any, saved: Any, into: Any, tensors: Mapping[str, Any],
                 f"into= holds a tensor at {_place(place)} where {where} holds none: pass a state shaped like the "
                 "saved one (saved as {'model': model.state_dict(), ...}, load with into={'model': "
                 "model.state_dict()})"
+            )
+        if mine in copied and not (isinstance(s, dict) and ("$np" in s or "$npT" in s)):
+            # Its values would reach it from a saved array only: here they would stay in its copy.
+            raise ValueError(
+                f"into= holds at {_place(place)} a NumPy array that torch cannot view (negative strides, a "
+                f"field of a record array), where {where} holds a tensor: pass a tensor there, or a copy "
+                "(np.ascontiguousarray(a)) that you copy back"
             )
         if given.setdefault(key, mine) != mine and not _same_tensor(tensors[given[key]], tensors[mine]):
             # Which one would get the values, and which the returned state would hold?
@@ -1080,10 +1093,17 @@ def _place(place: Any) -> str:
 
 
 def _same_tensor(a: Any, b: Any) -> bool:
-    """Whether ``a`` and ``b`` are one tensor as memory (a tied weight's two ``detach()``es)."""
-    a, b = (t.to_local() if is_dtensor(t) else t for t in (a, b))
+    """Whether ``a`` and ``b`` show the same values from the same memory (a tied weight's
+    two ``detach()``es): one filled is the other filled."""
+    if is_dtensor(a) or is_dtensor(b):
+        if not (is_dtensor(a) and is_dtensor(b) and a.placements == b.placements and a.device_mesh == b.device_mesh
+                and a.shape == b.shape and a.stride() == b.stride()):  # fmt: skip
+            return False
+        a, b = a.to_local(), b.to_local()
+    if not a.numel():  # no memory to tell them apart by
+        return a is b
     return bool(a.dtype == b.dtype and a.device == b.device and a.shape == b.shape and a.stride() == b.stride()
-                and a.data_ptr() == b.data_ptr())  # fmt: skip
+                and a.data_ptr() == b.data_ptr() and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())  # fmt: skip
 
 
 def overlapping(targets: Mapping[str, Any]) -> set[str]:

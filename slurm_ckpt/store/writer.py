@@ -240,6 +240,8 @@ def _tied_as_saved(t: Any, rec: dict[str, Any], targets: dict[str, Any], whole: 
     base = targets.get(rec["of"])
     if base is None or rec["of"] == rec["key"] or rec["of"] not in whole or rec.get("conj") or rec.get("neg"):
         return False
+    if not base.is_contiguous() or any(x.is_conj() or x.is_neg() for x in (t, base)):
+        return False  # its memory is not laid out as the saved storage's bytes
     return (t.dtype == base.dtype and torch_dtype_name(rec["dtype"]) == str(t.dtype) and t.device == base.device
             and list(t.stride()) == rec["stride"]
             and t.data_ptr() == base.data_ptr() + rec["offset"] * t.element_size())  # fmt: skip

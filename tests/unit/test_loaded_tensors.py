@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import tempfile
 import zlib
 from pathlib import Path
 from typing import Any
@@ -440,6 +441,54 @@ def test_into_one_tensor_at_two_places_gets_what_load_state_dict_gives_it(tmp_pa
     with Checkpointer(tmp_path / "run", distributed=False, scratch=False) as ck:
         ck.load_latest(into={"model": fresh.state_dict()})
     assert torch.equal(fresh.emb.weight, tied.emb.weight) and fresh.head.weight is fresh.emb.weight
+
+
+def load_into(tmp_path: Path, state: Any, into: Any) -> Any:
+    """``state`` saved in a run dir of its own under ``tmp_path``, loaded ``into=``."""
+    run = Path(tempfile.mkdtemp(dir=tmp_path))
+    with Checkpointer(run, distributed=False, scratch=False) as ck:
+        ck.save(state, step=1)
+        return ck.load_latest(into=into)
+
+
+def test_into_tensors_that_look_alike_but_differ_are_not_taken_for_one(tmp_path: Path) -> None:
+    # Given for one tensor saved at two places: one memory seen through a lazy bit, or
+    # two empty tensors, are two tensors, and refused as such.
+    z, w, empty = torch.randn(4, dtype=torch.complex64), torch.randn(4), torch.empty(0)
+    mine, real = torch.zeros(4, dtype=torch.complex64), torch.zeros(4)
+    for state, into in (({"a": z, "b": z}, {"a": mine, "b": mine.conj()}),
+                        ({"a": w, "b": w}, {"a": real, "b": torch._neg_view(real)}),
+                        ({"a": empty, "b": empty}, {"a": torch.empty(0), "b": torch.empty(0)})):  # fmt: skip
+        with pytest.raises(ValueError, match=r"one tensor at both into\['a'\] and into\['b'\]"):
+            load_into(tmp_path, state, into)
+    assert not mine.any() and not real.any()
+
+
+def test_into_a_head_in_an_embedding_laid_out_otherwise_is_copied_in_into_s_order(tmp_path: Path) -> None:
+    # The head lies where it lay when saved, but the embedding's memory is transposed:
+    # not the saved storage's bytes, so the two are copied in as load_state_dict copies.
+    e = torch.randn(512, 1024)
+    base = torch.zeros(1024, 512).t()
+    head = torch.as_strided(base, (1024,), (1,), 1024)  # where e[1] lay in e's storage
+    want_base = torch.zeros(1024, 512).t()
+    want_head = torch.as_strided(want_base, (1024,), (1,), 1024)
+    with torch.no_grad():  # load_state_dict, in into's order
+        want_head.copy_(e[1])
+        want_base.copy_(e)
+    load_into(tmp_path, {"emb": e, "head": e[1]}, {"head": head, "emb": base})
+    assert torch.equal(base, want_base) and torch.equal(head, want_head)
+
+
+def test_into_arrays_that_cannot_get_a_saved_tensor_s_values_are_refused(tmp_path: Path) -> None:
+    # One torch cannot view gets its values from a saved array only; a big-endian one is
+    # pickled, and nothing can be loaded into it: both kept their old values without a word.
+    backwards = np.zeros(8)[::-2]
+    with pytest.raises(ValueError, match=r"at into\['a'\] a NumPy array that torch cannot view.*holds a tensor"):
+        load_into(tmp_path, {"a": torch.arange(4.0)}, {"a": backwards})
+    big = np.zeros(4, dtype=">f8")
+    with pytest.raises(ValueError, match=r"at into\['a'\] a value that cannot be loaded into"):
+        load_into(tmp_path, {"a": np.arange(4.0)}, {"a": big})
+    assert not backwards.any() and not big.any()
 
 
 def test_a_parameter_read_in_place_is_marked_changed_as_load_state_dict_marks_it(tmp_path: Path) -> None:

@@ -370,3 +370,19 @@ def test_keys_that_dcp_flattens_alike_load_and_into_is_matched_by_place(run_dir:
     with pytest.raises(ValueError, match=r"one tensor for both 'd.1' and \"d.1'\".*load without into="):
         sharded.load(run_dir, into={"d": {1: one, "1": one}})
     assert not one.any()
+
+
+def test_two_dtensors_over_one_memory_with_other_placements_are_two(run_dir: Path, one_rank: Any) -> None:
+    """Given for one DTensor saved at two places, they are one only if they are laid out
+    alike over the mesh: the same local tensor as a shard and as a replica is two."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    d = distribute_tensor(torch.arange(8.0).reshape(4, 2), one_rank, [Shard(0)])
+    sharded.save({"a": d, "b": d}, run_dir, 1)
+    local = torch.zeros(4, 2)
+    shard = DTensor.from_local(local, one_rank, [Shard(0)])
+    with pytest.raises(ValueError, match=r"one tensor at both into\['a'\] and into\['b'\]"):
+        sharded.load(run_dir, into={"a": shard, "b": DTensor.from_local(local, one_rank, [Replicate()])})
+    assert not local.any()
+    got = sharded.load(run_dir, into={"a": shard, "b": DTensor.from_local(local, one_rank, [Shard(0)])})
+    assert got is not None and torch.equal(local, torch.arange(8.0).reshape(4, 2))
