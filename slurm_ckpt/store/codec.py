@@ -377,7 +377,7 @@ def encode_state(
             storage = t.untyped_storage()
             leaf = _Leaf(new_key(path), t, ref, int(storage.nbytes()))
             out.leaves[leaf.key] = t
-            if not stored:  # to be matched by place (paired_tensors): no entry, no view record
+            if not stored:  # to be matched by place (match_into): no entry, no view record
                 ref["$t"] = leaf.key
             # One group per storage, as torch.save keys them (the storage object,
             # not its address: two storages over one buffer are saved twice).
@@ -1212,19 +1212,15 @@ def decode_state(
     def array(key: str, flip: bool) -> Any:
         if (key, flip) not in arrays:
             a = filled(key, tensor(key)).numpy()
-            arrays[key, flip] = a.T if flip else a
+            a = a.T if flip else a
             if key in copies:  # the caller's array, which no tensor could view: given the values
-                if key not in shared:
-                    given(key, arrays[key, flip])
-                else:  # once its target is copied into, at the end
-                    late[key] = a.T if flip else a
-                arrays[key, flip] = copies[key]
+                if key in shared:
+                    late[key] = a  # once its target is copied into, at the end
+                else:
+                    copies[key][...] = a
+                a = copies[key]
+            arrays[key, flip] = a
         return arrays[key, flip]
-
-    def given(key: str, values: Any) -> None:
-        import numpy as np
-
-        np.copyto(copies[key], values)
 
     def dec(obj: Any) -> Any:
         nonlocal objects
@@ -1293,7 +1289,7 @@ def decode_state(
     for key in (k for k in targets if k in last):
         targets[key].copy_(last[key])
         if key in late:
-            given(key, late[key])
+            copies[key][...] = late[key]
     return out
 
 
