@@ -639,6 +639,10 @@ def _key_instead(obj: Any) -> str:
         return "key it by tuple(k) instead"
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(obj, numpy.dtype):
+        if obj.subdtype is not None and obj.base.names is None:  # a subarray of a plain dtype
+            return "key it by (k.base.str, k.shape) instead, and rebuild it with np.dtype(key) after loading"
+        if obj.subdtype is not None:
+            return "key it by a str, an int or a tuple of them instead"
         if obj.names is not None:  # a structured one: its .descr is a list
             return ("key it by tuple(k.descr) instead, and rebuild it with "
                     "np.lib.format.descr_to_dtype(list(key)) after loading")  # fmt: skip
@@ -672,8 +676,9 @@ def _array_part(a: Any) -> str:
     if kind in "biufc":  # a width no tensor has: long double. A copy: a 0-dim or strided one views as no bytes
         return (f"store its bytes, np.ascontiguousarray(a).reshape(-1).view(np.uint8), and a.shape, and view "
                 f"them back with .view(np.dtype('{a.dtype.str}')).reshape(shape) after loading, or cast it")  # fmt: skip
-    if kind in "USV":  # np.array() of the list alone picks the longest item's width
-        return "store a.tolist() and str(a.dtype), and rebuild it with np.array(values, dtype=dtype) after loading"
+    if kind in "USV":  # np.array() of the list alone picks the longest item's width; an empty one loses its shape
+        return ("store a.tolist(), str(a.dtype) and a.shape, and rebuild it with "
+                "np.array(values, dtype=dtype).reshape(shape) after loading")  # fmt: skip
     return "store a.tolist()"  # objects
 
 
@@ -696,6 +701,9 @@ def _usual_part(obj: Any) -> str | None:
         if type(obj) is np.ndarray:
             return _array_part(obj)
         if isinstance(obj, np.dtype):
+            if obj.subdtype is not None:  # its .str and .descr ('|V24') have neither its base nor its shape
+                return ("store np.lib.format.dtype_to_descr(d.base) and d.shape, and rebuild it with "
+                        "np.dtype((np.lib.format.descr_to_dtype(descr), shape)) after loading")  # fmt: skip
             if obj.names is not None:  # its .str ('|V12') has no fields; np.dtype(descr) makes fields of padding
                 return "store its .descr and rebuild it with np.lib.format.descr_to_dtype() after loading"
             return "store its .str and rebuild it with np.dtype() after loading"

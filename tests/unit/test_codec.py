@@ -350,8 +350,9 @@ _ODD_ARRAYS = {
                    lambda a: a.astype(a.dtype.newbyteorder("=")), lambda got, a: got.astype(a.dtype)),
     "datetimes": (np.array(["2026-12-02", "2027-01-01"], "M8[D]"), "a.view('int64') and str(a.dtype)",
                   lambda a: {"v": a.view("int64"), "dtype": str(a.dtype)}, lambda got, a: got["v"].view(got["dtype"])),
-    "strings": (np.array([["ab", "c"], ["d", "ef"]], dtype="<U7"), "a.tolist() and str(a.dtype)",
-                lambda a: {"v": a.tolist(), "dtype": str(a.dtype)}, lambda got, a: np.array(got["v"], dtype=got["dtype"])),
+    "strings": (np.array([["ab", "c"], ["d", "ef"]], dtype="<U7"), "a.tolist(), str(a.dtype) and a.shape",
+                lambda a: {"v": a.tolist(), "dtype": str(a.dtype), "shape": a.shape},
+                lambda got, a: np.array(got["v"], dtype=got["dtype"]).reshape(got["shape"])),
     # One record: NumPy calls its fields contiguous, with the record's size as their stride.
     "fields": (np.array([(1.5, 2)], dtype=[("x", "<f4"), ("n", "<i8")]), "each field (a['name'])",
                lambda a: {n: a[n] for n in a.dtype.names},
@@ -401,11 +402,13 @@ def test_following_the_long_double_advice_gives_back_every_bit_at_any_rank_and_o
     np.array([[b"ab"], [b"c\x00"]], dtype="S5"),  # tolist() drops the trailing NUL; the width puts it back
     np.array("xy", dtype="<U3"),
     np.array([b"abc", b"d"], dtype="V3"),
-], ids=["str", "bytes", "str_0d", "void"])  # fmt: skip
-def test_following_the_string_array_advice_gives_back_its_width(a: np.ndarray) -> None:
-    values, dtype, rebuild = advice({"a": a}, r"store (a\.tolist\(\)) and (\S+), and rebuild it with (.+) after loading")
-    got = round_trip({"v": eval(values, {"a": a}), "dtype": eval(dtype, {"a": a})})
-    back = eval(rebuild, {"np": np, "values": got["v"], "dtype": got["dtype"]})
+    np.zeros((0, 3), dtype="<U2"),  # tolist() gives [] for any empty shape
+], ids=["str", "bytes", "str_0d", "void", "empty_2d"])  # fmt: skip
+def test_following_the_string_array_advice_gives_back_its_width_and_shape(a: np.ndarray) -> None:
+    values, dtype, shape, rebuild = advice(
+        {"a": a}, r"store (a\.tolist\(\)), (\S+) and (a\.shape), and rebuild it with (.+) after loading")
+    got = round_trip({"v": eval(values, {"a": a}), "dtype": eval(dtype, {"a": a}), "shape": eval(shape, {"a": a})})
+    back = eval(rebuild, {"np": np, "values": got["v"], "dtype": got["dtype"], "shape": got["shape"]})
     assert back.dtype == a.dtype and back.shape == a.shape and back.tobytes() == a.tobytes()
 
 
@@ -440,6 +443,25 @@ def test_following_the_dtype_advice_gives_back_the_dtype_with_its_fields(kind: s
     attr, rebuild = named.groups()
     back = eval(rebuild, {"np": np})(round_trip({"d": getattr(dt, attr)})["d"])
     assert back == dt and back.descr == dt.descr
+
+
+@pytest.mark.parametrize("dt", [
+    np.dtype(("<f4", (2, 3))),
+    np.dtype((_NP_DTYPES["padded"], (2,))),  # a subarray of records with padding
+], ids=["plain", "padded_records"])  # fmt: skip
+def test_following_the_subarray_dtype_advice_gives_back_its_base_and_shape(dt: np.dtype) -> None:
+    # Its .str and .descr are '|V24': neither has the base or the shape.
+    store, shape, rebuild = advice({"d": dt}, r"store (\S+) and (d\.shape), and rebuild it with (.+) after loading")
+    got = round_trip({"descr": eval(store, {"d": dt, "np": np}), "shape": eval(shape, {"d": dt})})
+    back = eval(rebuild, {"np": np, "descr": got["descr"], "shape": got["shape"]})
+    assert back == dt and back.base.descr == dt.base.descr and back.shape == dt.shape
+
+
+def test_a_subarray_dtype_key_is_told_a_hashable_form_it_is_rebuilt_from() -> None:
+    dt = np.dtype(("<f4", (2, 3)))
+    key, rebuild = advice({"by": {dt: 1}}, r"key it by (.+?) instead, and rebuild it with (.+) after loading")
+    (loaded,) = round_trip({"by": {eval(key, {"k": dt}): 1}})["by"]
+    assert eval(rebuild, {"np": np, "key": loaded}) == dt
 
 
 def test_a_structured_dtype_key_is_told_a_hashable_form_it_is_rebuilt_from() -> None:
