@@ -57,13 +57,17 @@ def main() -> None:
     state = synthetic_state(parse_size(args.size))
     tensors = list(flatten(state).values())
     total, threads = sum(t.numel() * t.element_size() for t in tensors), copy_threads()
-    src, dst = aligned_buffer(total), aligned_buffer(total)
+    src = aligned_buffer(total)
     staging = Staging()
 
+    # Each line writes a buffer of its own, once a repetition, as each save
+    # writes its staging buffer (see ``slurm_ckpt.bench.run._memcpy_floors``).
     def one_piece(libc: bool) -> Callable[[], None]:
+        dst = aligned_buffer(total, wipe_on_fork=True)
         return lambda: copy_bytes([(address_of(dst), address_of(src), total)], threads=threads, libc=libc)
 
     def each(libc: bool) -> Callable[[], None]:
+        dst = aligned_buffer(total, wipe_on_fork=True)
         return lambda: copy_bytes(packed_pieces(tensors, address_of(dst)), threads=threads, libc=libc)
 
     def capture() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import mmap
 import os
 import random
 import shutil
@@ -231,7 +232,6 @@ def _memcpy_floors(raw: Raw, flat: dict[str, Any]) -> list[tuple[str, Callable[[
 
     The source is the raw rows' buffer: as many bytes as the state, in one
     page-aligned piece on huge pages, which no trainer's tensors beat. The
-    destination is allocated as the staging buffer is, and faulted in. The
     floors are libc's ``memmove``, whatever the staging copy uses.
 
     Two last lines copy the state's own tensors to their places, one piece
@@ -239,23 +239,33 @@ def _memcpy_floors(raw: Raw, flat: dict[str, Any]) -> list[tuple[str, Callable[[
     and with the staging copy's stores (what the copy snapshot does, less its
     bookkeeping). Between them and the floor is what the tensors' sizes and
     places in memory, and the kind of store, cost.
+
+    Each line copies into a buffer of its own, allocated as a staging buffer
+    is and faulted in, which only that line writes: once a repetition, as each
+    mode writes its staging buffer. On a VM the first write to memory in a
+    repetition can be slower than a second one right after it (1 GiB into a
+    staging buffer: 66-85 ms against 48-51 ms, in one run on the development
+    VM, ``docs/performance.md``); a destination that several lines shared
+    would be written cold by the first of them and warm by the rest.
     """
-    dst = aligned_buffer(raw.nbytes)
     threads = copy_threads()
 
-    def copy(n: int) -> None:
+    def copy(dst: mmap.mmap, n: int) -> None:
         copy_bytes([(address_of(dst), address_of(raw.buf), raw.nbytes)], threads=n, libc=True)
 
-    def tensors(libc: bool) -> None:
+    def tensors(dst: mmap.mmap, libc: bool) -> None:
         copy_bytes(packed_pieces(flat.values(), address_of(dst)), threads=threads, libc=libc)
 
-    floors: list[tuple[str, Callable[[], None]]] = [(f"{FLOOR}, 1 thread", functools.partial(copy, 1))]
+    def into_own(fn: Callable[[mmap.mmap, Any], None], arg: Any) -> Callable[[], None]:
+        return functools.partial(fn, aligned_buffer(raw.nbytes, wipe_on_fork=True), arg)
+
+    floors: list[tuple[str, Callable[[], None]]] = [(f"{FLOOR}, 1 thread", into_own(copy, 1))]
     if threads > 1:
-        floors.append((f"{FLOOR}, {threads} threads", functools.partial(copy, threads)))
+        floors.append((f"{FLOOR}, {threads} threads", into_own(copy, threads)))
     on = f"{threads} thread{'s' * (threads > 1)}"
-    floors.append((f"memcpy of each tensor, {on}", functools.partial(tensors, True)))
+    floors.append((f"memcpy of each tensor, {on}", into_own(tensors, True)))
     if nontemporal():
-        floors.append((f"streaming copy of each tensor, {on}", functools.partial(tensors, False)))
+        floors.append((f"streaming copy of each tensor, {on}", into_own(tensors, False)))
     return floors
 
 

@@ -93,3 +93,24 @@ def test_report_sets_each_stall_against_the_faster_memcpy_floor() -> None:
     assert "1.32x one memcpy of each" in target and "1.20x one memcpy of the state's bytes" in target, target
     # the fastest save (0.050) over the fastest floor repetition of either row (0.045)
     assert "best repetitions 1.11x" in target, target
+
+
+def test_each_memcpy_line_copies_into_a_buffer_that_only_it_writes() -> None:
+    # A staging buffer is written once a repetition, by its own mode; a floor
+    # whose destination other lines wrote just before would be timed warm.
+    import torch
+
+    from slurm_ckpt.bench.disk import Raw
+    from slurm_ckpt.bench.run import _memcpy_floors
+
+    raw = Raw(4 << 20, 1 << 20)
+    flat = {"w": torch.arange(1 << 18, dtype=torch.float32) * 3, "b": torch.arange(1000, dtype=torch.int64)}
+    floors = _memcpy_floors(raw, flat)
+    assert len(floors) >= 2
+    for _, copy in floors:
+        copy()
+    tensors = b"".join(t.numpy().tobytes() for t in flat.values())
+    for name, copy in floors:  # every line's buffer still holds what that line wrote
+        dst = copy.args[0]  # type: ignore[attr-defined]
+        want = tensors if "each tensor" in name else bytes(raw.buf)
+        assert bytes(dst[: len(want)]) == want, name
