@@ -163,6 +163,10 @@ def run_bench(
                 run(r)
             _clear(asyncs)
         _penalties(asyncs, state, reps, res, tick)
+        # The memcpy lines' buffers, a state's size each, are unmapped before
+        # the loads, which allocate their results.
+        floors.clear()
+        snapshots.clear()
         for r in range(reps):
             for name, fn, paths in shuffled(readers, r):
                 info["cache"] = drop_cache(paths)
@@ -242,10 +246,11 @@ def _memcpy_floors(raw: Raw, flat: dict[str, Any]) -> list[tuple[str, Callable[[
 
     Each line copies into a buffer of its own, allocated as a staging buffer
     is and faulted in, which only that line writes: once a repetition, as each
-    mode writes its staging buffer. On a VM the first write to memory in a
-    repetition can be slower than a second one right after it (1 GiB into a
-    staging buffer: 66-85 ms against 48-51 ms, in one run on the development
-    VM, ``docs/performance.md``); a destination that several lines shared
+    mode writes its staging buffer. On a VM the first write to a buffer in a
+    repetition can be slower than a second one right after it (in one run on
+    the development VM, ``docs/performance.md``: 1 GiB into a staging buffer
+    took 66-85 ms in four repetitions of seven, where the ``save_async``
+    right after it took 52-55 ms); a destination that several lines shared
     would be written cold by the first of them and warm by the rest.
     """
     threads = copy_threads()
