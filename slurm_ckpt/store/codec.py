@@ -643,9 +643,9 @@ def _key_instead(obj: Any) -> str:
             return "key it by (k.base.str, k.shape) instead, and rebuild it with np.dtype(key) after loading"
         if obj.subdtype is not None:
             return "key it by a str, an int or a tuple of them instead"
-        if obj.names is not None:  # a structured one: its .descr is a list
-            return ("key it by tuple(k.descr) instead, and rebuild it with "
-                    "np.lib.format.descr_to_dtype(list(key)) after loading")  # fmt: skip
+        if obj.names is not None:  # a structured one: its .descr is a list, of lists where fields nest
+            return ("key it by str(k.descr) instead, and rebuild it with "
+                    "np.lib.format.descr_to_dtype(ast.literal_eval(key)) after loading")  # fmt: skip
         return _instead(obj)  # its .str
     if _torch_kind(obj) or isinstance(obj, (enum.Enum, datetime.date, datetime.time, datetime.timedelta)):
         return _instead(obj)  # a str or a number: str() of it, .value, isoformat(), total_seconds()
@@ -676,7 +676,7 @@ def _array_part(a: Any) -> str:
     if kind in "biufc":  # a width no tensor has: long double. A copy: a 0-dim or strided one views as no bytes
         return (f"store its bytes, np.ascontiguousarray(a).reshape(-1).view(np.uint8), and a.shape, and view "
                 f"them back with .view(np.dtype('{a.dtype.str}')).reshape(shape) after loading, or cast it")  # fmt: skip
-    if kind in "USV":  # np.array() of the list alone picks the longest item's width; an empty one loses its shape
+    if kind in "USV":  # np.array() of the list alone picks the longest item's width; [] has no shape
         return ("store a.tolist(), str(a.dtype) and a.shape, and rebuild it with "
                 "np.array(values, dtype=dtype).reshape(shape) after loading")  # fmt: skip
     return "store a.tolist()"  # objects

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import dataclasses
 import datetime
@@ -464,15 +465,16 @@ def test_a_subarray_dtype_key_is_told_a_hashable_form_it_is_rebuilt_from() -> No
     assert eval(rebuild, {"np": np, "key": loaded}) == dt
 
 
-def test_a_structured_dtype_key_is_told_a_hashable_form_it_is_rebuilt_from() -> None:
-    dt = _NP_DTYPES["padded"]
+@pytest.mark.parametrize("kind", ["fields", "padded", "nested"])
+def test_a_structured_dtype_key_is_told_a_hashable_form_it_is_rebuilt_from(kind: str) -> None:
+    dt = _NP_DTYPES[kind]
     with pytest.raises(UnsupportedValue) as refused:
         encode_state({"by": {dt: 1}})
     msg = str(refused.value)
     named = re.search(r"key it by (.+?) instead, and rebuild it with (.+) after loading", msg)
     assert named, msg
     (loaded,) = round_trip({"by": {eval(named[1], {"k": dt}): 1}})["by"]
-    assert eval(named[2], {"np": np, "key": loaded}) == dt
+    assert eval(named[2], {"np": np, "ast": ast, "key": loaded}) == dt
 
 
 def layout(a: np.ndarray) -> tuple[Any, ...]:
