@@ -639,14 +639,13 @@ def _key_instead(obj: Any) -> str:
         return "key it by tuple(k) instead"
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(obj, numpy.dtype):
-        if obj.subdtype is not None and obj.base.names is None:  # a subarray of a plain dtype
-            return "key it by (k.base.str, k.shape) instead, and rebuild it with np.dtype(key) after loading"
-        if obj.subdtype is not None:
-            return "key it by a str, an int or a tuple of them instead"
-        if obj.names is not None:  # a structured one: its .descr is a list, of lists where fields nest
+        if obj.subdtype is None and obj.names is not None:  # its .descr is a list, of lists where fields nest
             return ("key it by str(k.descr) instead, and rebuild it with "
                     "np.lib.format.descr_to_dtype(ast.literal_eval(key)) after loading")  # fmt: skip
-        return _instead(obj)  # its .str
+        if obj.subdtype is None:
+            return _instead(obj)  # its .str
+        if obj.base.names is None:  # a subarray of a plain dtype; one of records gets the advice below
+            return "key it by (k.base.str, k.shape) instead, and rebuild it with np.dtype(key) after loading"
     if _torch_kind(obj) or isinstance(obj, (enum.Enum, datetime.date, datetime.time, datetime.timedelta)):
         return _instead(obj)  # a str or a number: str() of it, .value, isoformat(), total_seconds()
     return "key it by a str, an int or a tuple of them instead"
