@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import machine
+
 from .control import FaultFS
 from .mounts import loopfs, mount_faultfs, tmpfs
 
@@ -33,9 +35,7 @@ def need_root() -> None:
 
 @pytest.fixture(scope="session")
 def faultfs() -> Iterator[FaultFS]:
-    need_root()
-    if not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"):
-        pytest.skip("needs /dev/fuse and fusermount3 (fuse3)")
+    machine.need(machine.fuse())
     # A short base path: the control socket's name must fit in sun_path (108 bytes).
     base = Path(tempfile.mkdtemp(prefix="faultfs-"))
     try:
@@ -78,7 +78,7 @@ def make_tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
 @pytest.fixture
 def make_loopfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
     """``make_loopfs(64, fstype="ext4")`` mounts a real loop filesystem; unmounted at teardown."""
-    need_root()
+    machine.need(machine.loop_devices())
     stack = contextlib.ExitStack()
     n = 0
 

@@ -24,6 +24,7 @@ from slurm_ckpt.config import Config, EngineConfig, StorageConfig
 from slurm_ckpt.engine import Engine
 from slurm_ckpt.store import find_latest, verify_checkpoint
 from slurm_ckpt.store.fsutil import preallocate
+from tests import machine
 from tests.faultfs import fixtures
 
 torch = pytest.importorskip("torch")
@@ -80,7 +81,7 @@ def test_fuse_refuses_direct_writes_and_the_engine_writes_buffered(fault_dir: Pa
 @pytest.fixture
 def sector4k(tmp_path: Path) -> Iterator[Path]:
     """An ext4 filesystem on a loop device with 4 KiB logical sectors, mounted."""
-    fixtures.need_root()
+    machine.need(machine.loop_devices())
     img, mnt = tmp_path / "disk.img", tmp_path / "mnt"
     mnt.mkdir()
     with open(img, "wb") as f:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import machine
 from tests.faultfs.fixtures import fault_dir, faultfs  # noqa: F401 - fixtures
 from tests.node.helpers import User, need_root, sh
 
@@ -82,7 +83,7 @@ def scratch_base(pub_tmp: Path) -> Iterator[Path]:
 @pytest.fixture
 def loop_fs(pub_tmp: Path) -> Iterator[Callable[..., Path]]:
     """Factory: a fresh filesystem of ``fstype`` on a loop device, mounted; removed afterwards."""
-    need_root()
+    machine.need(machine.loop_devices())
     mounts: list[Path] = []
 
     def make(fstype: str = "xfs", size: str = "512M", options: str = "") -> Path:

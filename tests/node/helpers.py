@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from slurm_ckpt.config import Config, ScratchConfig, StorageConfig
+from tests import machine
 
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -26,6 +27,31 @@ def sh(*argv: str, check: bool = True, **kw: Any) -> subprocess.CompletedProcess
 def need_root() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root (mounts, users, chown)")
+
+
+def use_bfq(device: tuple[int, int]) -> bool:
+    """Put ``device`` (a test's own loop device) under BFQ where the kernel offers it.
+
+    Writing the name loads the bfq module if there is one; a kernel without BFQ
+    answers EINVAL, and the device keeps its scheduler. Returns whether BFQ is on.
+    """
+    sched = Path(f"/sys/dev/block/{device[0]}:{device[1]}/queue/scheduler")
+    with contextlib.suppress(OSError):
+        sched.write_text("bfq")
+    return "[bfq]" in sched.read_text()
+
+
+def bfq_group_weights(blkio: Path) -> bool:
+    """Whether this kernel gives v1 blkio groups a ``blkio.bfq.weight`` (BFQ group scheduling).
+
+    Probed on a scratch group of its own, since the root group never has the file.
+    """
+    probe = blkio / f"sckt-probe-{os.getpid()}"
+    probe.mkdir()
+    try:
+        return (probe / "blkio.bfq.weight").exists()
+    finally:
+        probe.rmdir()
 
 
 @dataclass(frozen=True)
@@ -102,6 +128,7 @@ def fuse_of(user: User, path: Path, *, hung: bool) -> Iterator[None]:
     closed at once, as when the job's FUSE daemon died with the job; the
     mount stays. Unmounted lazily afterwards.
     """
+    machine.need(machine.fuse())
     fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
     try:
         sh("mount", "-i", "-t", "fuse", "-o", f"fd={fd},rootmode=40000,user_id={user.uid},group_id={user.gid}",
