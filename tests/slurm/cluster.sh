@@ -159,6 +159,23 @@ remove_network() {
     ip link del "$BRIDGE" 2>/dev/null || true
 }
 
+port_taken() { ss -Htln "( sport = :$1 )" | grep -q .; }
+
+# The default ports may be taken on a machine that runs its own Slurm or other
+# services: move up to a free pair, unless the caller chose the ports.
+pick_ports() {
+    local p=$CTLD_PORT
+    while port_taken "$p" || port_taken "$((p + 1))"; do
+        [ -z "${SLURM_CKPT_CLUSTER_PORT:-}" ] \
+            || die "port $p or $((p + 1)) is in use: set SLURM_CKPT_CLUSTER_PORT to the first of two free ports"
+        p=$((p + 2))
+        [ "$p" -lt $((CTLD_PORT + 200)) ] || die "no two free ports in $CTLD_PORT-$p: set SLURM_CKPT_CLUSTER_PORT"
+    done
+    [ "$p" -eq "$CTLD_PORT" ] || log "ports $CTLD_PORT/$SLURMD_PORT are taken: using $p/$((p + 1))"
+    CTLD_PORT=$p
+    SLURMD_PORT=$((p + 1))
+}
+
 write_conf() {
     local nodes=$1 hostctl addr name i
     hostctl=$(hostname -s)
@@ -280,6 +297,8 @@ start_nodes() {
             || die_logs "slurmd on $name did not start"
         return 0
     fi
+    ! ip -4 -o addr show | grep -q " $NET\.[0-9]*/" \
+        || die "$NET.0/24 is already in use on this machine: set SLURM_CKPT_CLUSTER_NET to a free /24 (e.g. 10.78.0)"
     ip link add "$BRIDGE" type bridge
     ip addr add "$NET.1/24" dev "$BRIDGE"
     ip link set "$BRIDGE" up
@@ -382,6 +401,7 @@ cmd_up() {
     [ -z "$owner" ] || echo "$owner" > "$ROOT/run/owner"
     # A trap, so a failed start leaves no daemon or namespace behind.
     trap 'rc=$?; [ $rc -eq 0 ] || { logs_tail; cmd_down --force; }; exit $rc' EXIT
+    pick_ports
     write_conf "$nodes"
     write_extra
     start_munge

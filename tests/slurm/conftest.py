@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import machine
 from tests.slurm.harness import SETTINGS, Cluster, ClusterError
 from tests.slurm.wrapped import reference_digests
 
@@ -38,6 +39,8 @@ class _Slot:
     def get(self, nodes: int) -> Cluster:
         if os.geteuid() != 0:
             pytest.skip("the Slurm test cluster needs root (daemons, namespaces, mounts)")
+        if nodes > 1:  # each node has a network namespace of its own, joined by veth and a bridge
+            machine.need(machine.netns_links())
         if self.error is not None:
             pytest.fail(
                 f"the Slurm test cluster could not start (see the first failure):\n{self.error}"

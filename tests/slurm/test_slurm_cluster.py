@@ -111,6 +111,28 @@ def test_failed_start_says_why_and_leaves_nothing(slurm_cluster: Cluster, tmp_pa
     )
 
 
+def test_a_cluster_whose_ports_are_taken_moves_to_free_ones(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """The session's cluster holds its ports; a second one, given no ports, starts on others."""
+    root = Path(f"/tmp/slurm-ckpt-ports-{os.getpid()}")  # munged must reach it: not under tmp_path
+    env = slurm_cluster.env({"SLURM_CKPT_CLUSTER_ROOT": str(root), "SLURM_CKPT_CLUSTER_LOCK": str(tmp_path / "lock")})
+    env.pop("SLURM_CKPT_CLUSTER_PORT", None)
+    busy = re.search(r"^SlurmctldPort=(\d+)", slurm_cluster.conf.read_text(), re.M)
+    assert busy is not None
+    try:
+        up = subprocess.run(["bash", str(SCRIPT), "up"], env=env, capture_output=True, text=True,
+                            timeout=120, check=False)  # fmt: skip
+        assert up.returncode == 0, up.stderr
+        assert "are taken: using" in up.stderr
+        port = re.search(r"^SlurmctldPort=(\d+)", (root / "etc" / "slurm.conf").read_text(), re.M)
+        assert port is not None and port[1] != busy[1]
+        ping = subprocess.run(["scontrol", "ping"], env=env | {"SLURM_CONF": str(root / "etc" / "slurm.conf")},
+                              capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+        assert "is UP" in ping.stdout
+    finally:
+        subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True, timeout=120, check=False)
+    assert slurm_cluster.run("scontrol", "ping").count("is UP") == 1
+
+
 GLOO = """\
 import os, socket, torch, torch.distributed as dist
 rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
