@@ -1,19 +1,22 @@
-"""cgroup I/O limits on the device that holds the checkpoints.
+"""cgroup I/O limits on the device that holds the checkpoints, and the controls the kernel offers.
 
 A ``blkio.throttle.write_bps_device`` (v1) or ``io.max wbps=`` (v2) limit on
 this process's cgroup, or any ancestor, caps every checkpoint write; weights
-only act under the BFQ scheduler (or iocost on v2).
+only act under the BFQ scheduler (or iocost on v2). Throttles live in the block
+layer's cgroup code and act under any scheduler; a kernel without BFQ (or
+iocost) has no per-job weights at all, and the prolog then sets only throttles.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..fsinfo import Mount, block_device, cgroup_mount, read_mounts
 from .finding import Context, Report, Severity, fmt_rate
 
-__all__ = ["IOLimit", "check_cgroup_io", "io_limits"]
+__all__ = ["IOControls", "IOLimit", "check_cgroup_io", "io_controls", "io_limits"]
 
 
 @dataclass
@@ -79,6 +82,50 @@ def io_limits(dev: str, *, proc_cgroup: str = "/proc/self/cgroup",
     return None
 
 
+@dataclass
+class IOControls:
+    """What this kernel lets the prolog set for a job on one device."""
+
+    throttles: str
+    """The throttle files (``blkio.throttle.*``, ``io.max``), or "" where there are none."""
+    weights: str
+    """The weight file that acts here (``blkio.bfq.weight``, ``io.bfq.weight``, ``io.weight``), or ""."""
+    why_not: str = ""
+    """Where weights do not act: why, and what would make them."""
+
+
+def io_controls(dev: str, *, mountinfo: str = "/proc/self/mountinfo", sysfs: Path = Path("/sys"),
+                modules: Path | None = None) -> IOControls | None:  # fmt: skip
+    """The I/O controls the kernel offers on ``dev`` ("MAJ:MIN"), v1 blkio first; None without either."""
+    v1, v2 = _hierarchies(mountinfo)
+    scheds = (_lines(sysfs / "dev/block" / dev / "queue/scheduler") or [""])[0]
+    active = next((w.strip("[]") for w in scheds.split() if w.startswith("[")), "")
+    if modules is None:
+        modules = Path("/lib/modules") / os.uname().release
+    if "bfq" in scheds.replace("[", " ").replace("]", " ").split():
+        bfq_missing = "" if active == "bfq" else (
+            f"the device uses {active or 'no'} scheduler; weights act once it uses bfq "
+            f"(echo bfq > /sys/dev/block/{dev}/queue/scheduler, or a udev rule)")
+    elif any(modules.glob("kernel/block/bfq.ko*")):
+        bfq_missing = "the bfq module is not loaded: modprobe bfq (and use bfq on this device)"
+    else:
+        bfq_missing = f"this kernel has no BFQ scheduler (schedulers here: {scheds or 'none listed'})"
+    if v1 is not None and (v1 / "blkio.throttle.write_bps_device").exists():
+        weights = "blkio.bfq.weight" if not bfq_missing else ""
+        return IOControls("blkio.throttle.*", weights, bfq_missing)
+    if v2 is not None:
+        ctrls = (_lines(v2 / "cgroup.controllers") or [""])[0].split()
+        if "io" not in ctrls:
+            return IOControls("", "", "the cgroup v2 io controller is not available")
+        if (v2 / "io.cost.qos").exists() and any(ln.split()[0] == dev and "enable=1" in ln
+                                                 for ln in _lines(v2 / "io.cost.qos")):  # fmt: skip
+            return IOControls("io.max", "io.weight")
+        if not bfq_missing:
+            return IOControls("io.max", "io.bfq.weight")
+        return IOControls("io.max", "", bfq_missing + "; or enable iocost (io.cost.qos) for this device")
+    return None
+
+
 def _ancestors(root: Path, cg: str) -> list[Path]:
     parts = [p for p in cg.split("/") if p]
     return [root.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
@@ -102,6 +149,7 @@ def check_cgroup_io(report: Report, ctx: Context, mount: Mount | None, *,
                    "limits do not apply here")  # fmt: skip
         return
     dev = f"{disk[0]}:{disk[1]}"
+    _report_controls(report, dev, mountinfo, sysfs)
     try:
         lim = io_limits(dev, proc_cgroup=proc_cgroup, mountinfo=mountinfo)
     except OSError as e:
@@ -133,3 +181,21 @@ def check_cgroup_io(report: Report, ctx: Context, mount: Mount | None, *,
         report.add("cgroup", Severity.WARN, msg, fix, **data)
     else:
         report.add("cgroup", Severity.INFO, msg, **data)
+
+
+def _report_controls(report: Report, dev: str, mountinfo: str, sysfs: Path) -> None:
+    try:
+        ctl = io_controls(dev, mountinfo=mountinfo, sysfs=sysfs)
+    except OSError as e:
+        report.add("io-controls", Severity.INFO, f"cannot read the kernel's I/O controls: {e}")
+        return
+    if ctl is None:
+        return
+    data = {"device": dev, "throttles": ctl.throttles, "weights": ctl.weights}
+    throttles = f"throttles ({ctl.throttles})" if ctl.throttles else "no throttles"
+    if ctl.weights:
+        report.add("io-controls", Severity.OK, f"device {dev}: {throttles} and weights ({ctl.weights})", **data)
+        return
+    report.add("io-controls", Severity.INFO, f"device {dev}: {throttles}, no per-job weights: {ctl.why_not}. "
+               "The prolog sets the throttles, logs that the weight is not set, and jobs run unweighted",
+               **data)  # fmt: skip

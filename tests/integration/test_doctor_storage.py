@@ -119,3 +119,19 @@ def test_throttled_cgroup_is_found_and_measured(make_loopfs: Callable[..., Path]
     assert 1e6 < bw < 6e6, bw
     timing = finding(doc, "timing")
     assert timing["severity"] == "error" and "your 1.1 GB checkpoint needs" in timing["message"]
+
+
+def test_doctor_says_which_io_controls_this_kernel_has(make_loopfs: Callable[..., Path]) -> None:  # noqa: F811
+    """On a kernel without BFQ the doctor says there are no per-job weights and what the prolog
+    does instead; with BFQ on the device it names the weight file. Either way, throttles."""
+    d = make_loopfs(64)
+    dev = f"{os.major(os.stat(d).st_dev)}:{os.minor(os.stat(d).st_dev)}"
+    if not Path("/sys/fs/cgroup/blkio/blkio.throttle.write_bps_device").exists():
+        pytest.skip("no cgroup v1 blkio throttle here")
+    bfq_on = "[bfq]" in Path(f"/sys/dev/block/{dev}/queue/scheduler").read_text()
+    _, doc = doctor(d)
+    ctl = finding(doc, "io-controls")
+    assert ctl["data"] == {"device": dev, "throttles": "blkio.throttle.*",
+                           "weights": "blkio.bfq.weight" if bfq_on else ""}  # fmt: skip
+    if not bfq_on:
+        assert ctl["severity"] == "info" and "jobs run unweighted" in ctl["message"]

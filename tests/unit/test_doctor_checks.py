@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from slurm_ckpt.doctor import Context, Report, Severity
-from slurm_ckpt.doctor.cgroupio import check_cgroup_io, io_limits
+from slurm_ckpt.doctor.cgroupio import check_cgroup_io, io_controls, io_limits
 from slurm_ckpt.doctor.mounts import check_mount
 from slurm_ckpt.doctor.pagecache import check_pagecache
 from slurm_ckpt.doctor.quota import check_quota
@@ -199,6 +199,44 @@ def test_cgroup_v2_io_max_tightest_ancestor_wins(tmp_path: Path) -> None:
     check_cgroup_io(r, ctx, m, proc_cgroup=str(pc), mountinfo=str(mi), sysfs=tmp_path / "sys")
     sev, msg, fix = by(r, "cgroup")[0]
     assert sev == Severity.ERROR and "50 MB/s" in msg and "needs 400 s" in msg and "io.max" in fix
+
+
+@pytest.mark.parametrize(("v", "schedulers", "module", "qos", "weights", "why"), [
+    (1, "mq-deadline kyber [bfq] none", False, "", "blkio.bfq.weight", ""),
+    (1, "[mq-deadline] kyber bfq none", False, "", "", "echo bfq > /sys/dev/block/259:0/queue/scheduler"),
+    (1, "[none] mq-deadline kyber", True, "", "", "modprobe bfq"),
+    (1, "[none] mq-deadline kyber", False, "", "", "this kernel has no BFQ scheduler"),
+    (2, "[none] mq-deadline kyber", False, "259:0 enable=1 ctrl=auto", "io.weight", ""),
+    (2, "[none] mq-deadline kyber", False, "259:0 enable=0 ctrl=auto", "", "enable iocost"),
+    (2, "[bfq] none", False, "", "io.bfq.weight", ""),
+])  # fmt: skip
+def test_io_controls_say_which_weights_the_kernel_offers(
+    tmp_path: Path, v: int, schedulers: str, module: bool, qos: str, weights: str, why: str
+) -> None:
+    """Crafted trees: this machine has one kernel, and cgroup v2 here has no io controller."""
+    root = tmp_path / "cg"
+    root.mkdir()
+    if v == 1:
+        (root / "blkio.throttle.write_bps_device").write_text("")
+        line = f"30 1 0:26 / {root} rw - cgroup cgroup rw,blkio"
+    else:
+        (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+        if qos:
+            (root / "io.cost.qos").write_text(qos + "\n")
+        line = f"30 1 0:26 / {root} rw - cgroup2 cgroup2 rw"
+    (tmp_path / "mountinfo").write_text(line + "\n")
+    queue = tmp_path / "sys/dev/block/259:0/queue"
+    queue.mkdir(parents=True)
+    (queue / "scheduler").write_text(schedulers + "\n")
+    modules = tmp_path / "modules"
+    (modules / "kernel/block").mkdir(parents=True)
+    if module:
+        (modules / "kernel/block/bfq.ko.xz").write_text("")
+    ctl = io_controls("259:0", mountinfo=str(tmp_path / "mountinfo"), sysfs=tmp_path / "sys", modules=modules)
+    assert ctl is not None
+    assert ctl.throttles == ("blkio.throttle.*" if v == 1 else "io.max")
+    assert ctl.weights == weights
+    assert why in ctl.why_not and bool(ctl.why_not) == (not weights)
 
 
 def test_quota_arithmetic(tmp_path: Path) -> None:
