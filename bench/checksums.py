@@ -1,6 +1,6 @@
 """Checksum speed on this machine: why the manifest uses zlib's crc32.
 
-    python bench/checksums.py [--mib 256]
+    python -m bench.checksums [--mib 256]
 
 Every candidate hashes the same buffer, interleaved, 5 times; medians in GB/s
 and as a ratio to zlib.crc32. Optional packages (xxhash, crc32c) are measured

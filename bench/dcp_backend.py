@@ -1,6 +1,6 @@
 """slurm_ckpt.dcp against DCP's own FileSystemWriter/FileSystemReader: 2 ranks, one run, ratios.
 
-    python bench/dcp_backend.py --dir /path/on/the/disk [--size 1G] [--reps 5]
+    python -m bench.dcp_backend --dir /path/on/the/disk [--size 1G] [--reps 5]
 
 Two processes (gloo over loopback) hold a state of DTensors sharded on dim 0
 over both, ``--size`` in all (tensors of 64 MiB, as large layers and their
@@ -83,7 +83,7 @@ def _rank(rank: int, world: int, port: int, root: str, size: int, reps: int, out
     def fs_load(path: Path) -> None:
         dcp.load(target, storage_reader=dcp.FileSystemReader(path))
 
-    lines = {"save: slurm_ckpt.dcp": [], "save: FileSystemWriter": [], f"save: FileSystemWriter, {threads} threads": [],
+    lines: dict[str, list[float]] = {"save: slurm_ckpt.dcp": [], "save: FileSystemWriter": [], f"save: FileSystemWriter, {threads} threads": [],
              "load cold: slurm_ckpt.dcp": [], "load cold: FileSystemReader": []}  # fmt: skip
     order = list(range(4))
     rng = random.Random(1234)

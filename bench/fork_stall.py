@@ -1,6 +1,6 @@
 """The fork snapshot's stall in a process that holds only a trainer's state.
 
-    THP_MEM_ALLOC_ENABLE=1 python bench/fork_stall.py --dir /path/on/the/disk [--size 1G]
+    THP_MEM_ALLOC_ENABLE=1 python -m bench.fork_stall --dir /path/on/the/disk [--size 1G]
 
 ``slurm-ckpt bench`` measures every snapshot mode in one process that also
 holds staging and raw buffers (huge pages, whose page tables cost fork() little).
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.scripts import remove_steps, script_finish, script_state, training_step
 from slurm_ckpt import Checkpointer
-from slurm_ckpt.bench.scripts import remove_steps, script_finish, script_state, training_step
 from slurm_ckpt.config import load_config
 from slurm_ckpt.engine.layout import plan_file
 from slurm_ckpt.store.codec import encode_state

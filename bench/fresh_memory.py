@@ -1,6 +1,6 @@
 """What fresh memory costs on this machine: faulting in 1 GiB just freed, or freed a while ago.
 
-    python bench/fresh_memory.py [--size 1G] [--idle 5] [--reps 5]
+    python -m bench.fresh_memory [--size 1G] [--idle 5] [--reps 5]
 
 A virtual machine whose balloon device has free page reporting (virtio-balloon
 ``VIRTIO_BALLOON_F_FREE_PAGE_REPORTING``; ``/sys/module/page_reporting`` exists)

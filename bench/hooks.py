@@ -1,6 +1,6 @@
 """The prolog and epilog shims against a bare interpreter, measured interleaved in one run.
 
-    sudo .venv/bin/python bench/hooks.py [--reps 30] [--seed 1] [--enforce none,loop]
+    sudo .venv/bin/python -m bench.hooks [--reps 30] [--seed 1] [--enforce none,loop]
 
 The hooks run before and after every job, so what they cost is start-up: a
 bash shim, ``timeout``, the interpreter, the imports, a little work. The

@@ -1,6 +1,6 @@
 """What one save costs a real training loop, for each snapshot mode.
 
-    THP_MEM_ALLOC_ENABLE=1 python bench/overlap_step.py --dir /path/on/the/disk [--size 1G]
+    THP_MEM_ALLOC_ENABLE=1 python -m bench.overlap_step --dir /path/on/the/disk [--size 1G]
 
 An MLP trained with Adam, whose state (parameters and both moments) is about
 ``--size``. Each repetition times, interleaved: three plain training steps
@@ -22,6 +22,7 @@ exact here; ``docs/async.md`` says what they let through otherwise.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -30,8 +31,8 @@ from typing import Any
 
 import torch
 
+from bench.scripts import remove_steps, script_finish, script_state
 from slurm_ckpt import Checkpointer
-from slurm_ckpt.bench.scripts import remove_steps, script_finish, script_state
 from slurm_ckpt.config import load_config
 
 WIDTH, BATCH, STEPS = 2048, 32, 3
@@ -56,6 +57,14 @@ class Trainer:
 
     def state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optim": self.opt.state_dict(), "step": self.n}
+
+
+def _save(c: Checkpointer, sync: bool, tr: Trainer) -> Any:
+    """The save a mode's line times: sync returns once durable, the others once captured."""
+    if sync:
+        c.save(tr.state(), tr.n)
+        return None
+    return c.save_async(tr.state(), tr.n)
 
 
 def main() -> None:
@@ -88,10 +97,7 @@ def main() -> None:
         times.setdefault("plain steps", []).append(time.perf_counter() - t0)
         for mode in modes:
             c = ck[mode]
-            if mode == "sync":
-                timed(mode, lambda c=c: (c.save(tr.state(), tr.n), None)[1])
-            else:
-                timed(mode, lambda c=c: c.save_async(tr.state(), tr.n))
+            timed(mode, functools.partial(_save, c, mode == "sync", tr))
     plain = statistics.median(times.pop("plain steps"))
     cost = {f"{mode}: save + {STEPS} steps, less plain ones": [t - plain for t in v] for mode, v in times.items()}
     nbytes = sum(t.numel() * t.element_size() for t in tr.model.parameters()) * 3

@@ -1,6 +1,6 @@
 """Where the engine's time goes, next to the device limit: the profile behind the bench.
 
-    python bench/profile_engine.py --size 1G --dir /path/on/the/disk [--reps 5]
+    python -m bench.profile_engine --size 1G --dir /path/on/the/disk [--reps 5]
 
 Each line removes one cost from the real engine path, measured interleaved in
 one run (medians; each repetition runs the lines in a shuffled order, seeded,
@@ -45,10 +45,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.disk import Raw, drop_cache
+from bench.run import shuffled
+from bench.state import map_tensors, synthetic_state
 from slurm_ckpt import Checkpointer
-from slurm_ckpt.bench.disk import Raw, drop_cache
-from slurm_ckpt.bench.run import shuffled
-from slurm_ckpt.bench.state import map_tensors, synthetic_state
 from slurm_ckpt.config import parse_size
 from slurm_ckpt.engine import reader as engine_reader
 from slurm_ckpt.engine import writer as engine_writer

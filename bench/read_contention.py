@@ -1,6 +1,6 @@
 """What a verified read costs beside the disk's own reads: CPU time, or memory traffic.
 
-    python bench/read_contention.py --size 1G --dir /path/on/the/disk [--reps 15]
+    python -m bench.read_contention --size 1G --dir /path/on/the/disk [--reps 15]
 
 A verified read reads every byte twice: the disk (or, in a virtual machine,
 the host) writes it into memory, and the checksum reads it back. This times
@@ -54,10 +54,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.disk import Raw, drop_cache
+from bench.run import shuffled
+from bench.state import synthetic_state
 from slurm_ckpt import Checkpointer
-from slurm_ckpt.bench.disk import Raw, drop_cache
-from slurm_ckpt.bench.run import shuffled
-from slurm_ckpt.bench.state import synthetic_state
 from slurm_ckpt.config import parse_size
 from slurm_ckpt.engine import reader
 from slurm_ckpt.engine.buffers import ALIGN

@@ -1,6 +1,6 @@
 """The resharding matrix: save at 1-4 ranks, load at 1-4 ranks, FSDP2 over gloo on CPU.
 
-    python bench/reshard_matrix.py --dir /path/on/the/disk [--width 1152] [--json out.json]
+    python -m bench.reshard_matrix --dir /path/on/the/disk [--width 1152] [--json out.json]
 
 Four processes join one gloo group; ranks 0..n-1 of each size n form a group
 of their own, so a save at 3 ranks and a load at 2 are real FSDP2 models on

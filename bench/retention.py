@@ -1,6 +1,6 @@
 """What deleting the oldest checkpoint costs a sync save, inline or in the background.
 
-    THP_MEM_ALLOC_ENABLE=1 python bench/retention.py --dir /path/on/the/disk [--size 1G]
+    THP_MEM_ALLOC_ENABLE=1 python -m bench.retention --dir /path/on/the/disk [--size 1G]
 
 Four run dirs saved interleaved, each save of a whole state (medians):
 
@@ -23,8 +23,8 @@ import shutil
 import threading
 import time
 
+from bench.scripts import script_finish, script_state, training_step
 from slurm_ckpt import Checkpointer
-from slurm_ckpt.bench.scripts import script_finish, script_state, training_step
 from slurm_ckpt.store.layout import step_dir
 from slurm_ckpt.store.retention import apply_retention, discard_checkpoint, reaped
 

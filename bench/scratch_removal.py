@@ -1,6 +1,6 @@
 """The epilog's wall time against its deadline when a job leaves a hostile scratch.
 
-    sudo .venv/bin/python bench/scratch_removal.py [--files 1000000] [--chain 5000] [--timeout 240]
+    sudo .venv/bin/python -m bench.scratch_removal [--files 1000000] [--chain 5000] [--timeout 240]
 
 Each case runs the real prolog and epilog (in this process, as the shims would
 run them) for a job of the user ``nobody`` on a fresh tmpfs, with

@@ -1,6 +1,6 @@
 """Where the copy snapshot's stall goes: the state's tensors copied into a staging buffer.
 
-    THP_MEM_ALLOC_ENABLE=1 python bench/staging_copy.py [--size 1G] [--reps 7] [--dir /var/tmp]
+    THP_MEM_ALLOC_ENABLE=1 python -m bench.staging_copy [--size 1G] [--reps 7] [--dir /var/tmp]
 
 Each line is a median over interleaved repetitions, as a ratio to the first
 (the floor: the same number of bytes in one piece with libc's ``memmove``,
@@ -38,9 +38,9 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from bench.run import packed_pieces
+from bench.state import flatten, synthetic_state
 from slurm_ckpt import Checkpointer
-from slurm_ckpt.bench.run import packed_pieces
-from slurm_ckpt.bench.state import flatten, synthetic_state
 from slurm_ckpt.config import parse_size
 from slurm_ckpt.engine.buffers import address_of, aligned_buffer
 from slurm_ckpt.engine.memcopy import copy_bytes, copy_threads, nontemporal
@@ -61,7 +61,7 @@ def main() -> None:
     staging = Staging()
 
     # Each line writes a buffer of its own, once a repetition, as each save
-    # writes its staging buffer (see ``slurm_ckpt.bench.run._memcpy_floors``).
+    # writes its staging buffer (see ``bench.run._memcpy_floors``).
     def one_piece(libc: bool) -> Callable[[], None]:
         dst = aligned_buffer(total, wipe_on_fork=True)
         return lambda: copy_bytes([(address_of(dst), address_of(src), total)], threads=threads, libc=libc)

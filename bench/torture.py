@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Torture: train with periodic async saves under random I/O faults, then kill -9.
 
-    sudo .venv/bin/python bench/torture.py --attempts 500 --seed 1
+    sudo .venv/bin/python -m bench.torture --attempts 500 --seed 1
 
 A trainer process saves asynchronously every ``--every`` steps into a run dir
 on the fault-injecting FUSE filesystem (tests/faultfs) while this driver swaps

@@ -1,6 +1,6 @@
 """The default save_async's stall while a forked child lives, as a DataLoader worker does.
 
-    THP_MEM_ALLOC_ENABLE=1 python bench/worker_fork.py --dir /path/on/the/disk [--size 1G] [--reps 5]
+    THP_MEM_ALLOC_ENABLE=1 python -m bench.worker_fork --dir /path/on/the/disk [--size 1G] [--reps 5]
 
 A DataLoader worker is forked at the start of an epoch and lives through it.
 fork() shares every private page of the trainer with it copy-on-write, and
@@ -24,8 +24,8 @@ import os
 import time
 from collections.abc import Callable
 
+from bench.scripts import remove_steps, script_finish, script_state, training_step
 from slurm_ckpt import Checkpointer
-from slurm_ckpt.bench.scripts import remove_steps, script_finish, script_state, training_step
 
 _MADV_KEEPONFORK = 19
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -242,43 +241,23 @@ def doctor(
     sys.exit(EXIT_DOCTOR_WARN if worst >= Severity.WARN else EXIT_OK)
 
 
-@main.command()
-@click.option("--size", default="1G", show_default=True, help="State size (model + Adam), e.g. 8M, 1G.")
-@click.option("--dir", "dir", type=click.Path(file_okay=False), default="slurm-ckpt-bench",
-              show_default=True, help="Directory on the filesystem to measure (emptied of our files after).")  # fmt: skip
-@click.option("--reps", default=3, show_default=True, help="Repetitions of each method, interleaved.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all timings as JSON.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a bar chart (PNG).")
-@click.option("--no-small", is_flag=True, help="Skip the 10,000-small-tensors case.")
-@click.option("--sharded", is_flag=True,
-              help="Instead: an FSDP2 state saved by 2 ranks and loaded at 2, 3 and 1, against dcp.save/dcp.load.")  # fmt: skip
-@_errors_to_exit
-def bench(size: str, dir: str, reps: int, json_path: str | None, plot_path: str | None, no_small: bool,
-          sharded: bool) -> None:  # fmt: skip
-    """Measure our saves and loads against torch.save, DCP, safetensors and the raw disk,
-    and background saves' stalls against the sync save and one memcpy of the state.
-    With --sharded: an FSDP2 state through the Checkpointer against dcp.save/dcp.load."""
-    from .config import parse_size
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+              add_help_option=False)  # fmt: skip
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args: tuple[str, ...]) -> None:
+    """Benchmarks against torch.save, DCP, safetensors and the raw disk (from a source checkout).
 
-    load_config().engine.torch_env(os.environ)  # as `slurm-ckpt run` gives its command
-    if sharded:
-        from .bench.sharded import format_sharded, run_sharded_bench
+    The benchmarks live in the checkout's ``bench/``, not in the installed
+    package; this runs ``python -m bench`` there (``--help`` lists its options).
+    """
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / "__init__.py").is_file():
+        raise click.UsageError("the benchmarks ship with the source, not the package: "
+                               "run `python -m bench` in a clone of slurm-ckpt")  # fmt: skip
+    sys.path.insert(0, str(root))
+    from bench.cli import bench as run
 
-        doc = run_sharded_bench(parse_size(size), Path(dir), reps=max(1, reps),
-                                progress=lambda line: click.echo(line, err=True))  # fmt: skip
-        click.echo(format_sharded(doc))
-        if json_path:
-            Path(json_path).write_text(json.dumps(doc, indent=1))
-        return
-    from .bench import format_table, plot, run_bench
-
-    doc = run_bench(parse_size(size), Path(dir), reps=max(1, reps), small=not no_small,
-                    progress=lambda line: click.echo(line, err=True))  # fmt: skip
-    click.echo(format_table(doc))
-    if json_path:
-        Path(json_path).write_text(json.dumps(doc, indent=1))
-    if plot_path:
-        plot(doc, Path(plot_path))
+    run.main(list(args), prog_name="slurm-ckpt bench")
 
 
 @main.group()

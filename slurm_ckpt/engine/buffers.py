@@ -10,7 +10,7 @@ distributions set THP to ``madvise``, so nobody gets them without asking):
 - a 2 MiB page is physically contiguous, so an 8 MiB O_DIRECT request is a
   handful of segments instead of 2048 scattered 4 KiB pages, and a virtio disk
   (at most 254 segments a request) takes it whole, where one from 4 KiB pages
-  is split (``python bench/profile_engine.py`` compares the two);
+  is split (``python -m bench.profile_engine`` compares the two);
 - one fault maps 2 MiB, so faulting a fresh buffer in is 512 times fewer
   faults. ``MADV_POPULATE_WRITE`` does it in one system call: first-touch
   faults one at a time cost several times more on virtual machines.

@@ -7,7 +7,7 @@ compute each chunk's crc32 as it lands. The per-chunk crcs are combined in
 file order and compared with the manifest. One more thread faults the fresh
 buffers in ahead of the reads (``MADV_POPULATE_WRITE``): first-touch page
 faults, taken one by one by the reading threads, can cost more than the reads
-themselves (``python bench/fresh_memory.py`` and ``bench/profile_engine.py``
+themselves (``python -m bench.fresh_memory`` and ``bench/profile_engine.py``
 measure both on a given machine).
 
 ``into`` names tensors the caller already has (a model's parameters, say),
@@ -418,7 +418,7 @@ def _items_into(addr: int, rb: int, re: int, chunk: int) -> list[_Item]:
         # Only the 2 MiB-aligned stretch of an allocation can be huge pages (torch's
         # are not aligned to 2 MiB). A read into 4 KiB pages costs the disk a segment
         # per page: the rest costs about as much through a bounce buffer, and at times
-        # far less (``python bench/read_contention.py`` compares them).
+        # far less (``python -m bench.read_contention`` compares them).
         h0, h1 = -(-(addr + lo - rb) // HUGE) * HUGE, (addr + hi - rb) // HUGE * HUGE
         if h1 > h0:
             lo, hi = h0 - addr + rb, h1 - addr + rb

@@ -8,7 +8,7 @@ faster, and like zlib it releases the GIL, so worker threads checksum in
 parallel. At zlib's speed the checksum's CPU time is felt on a machine with
 few cores, where it competes with the I/O threads. crc32c and xxh3 are no
 faster than ISA-L's crc32, and would make checkpoints unverifiable wherever
-their package is missing (``python bench/checksums.py`` measures all of them
+their package is missing (``python -m bench.checksums`` measures all of them
 on a given machine).
 
 Chunks are checksummed independently by the worker that moves them and then

@@ -52,7 +52,7 @@ def test_bench_smoke_8m(tmp_path: Path) -> None:
 
 
 def test_report_gives_median_and_best_repetition_ratios_to_the_raw_limit() -> None:
-    from slurm_ckpt.bench import format_table
+    from bench import format_table
 
     def row(name: str, times: list[float], kind: str = "write") -> dict[str, object]:
         return {"name": name, "kind": kind, "nbytes": 10**9, "times": times, "extra": {},
@@ -70,7 +70,7 @@ def test_report_gives_median_and_best_repetition_ratios_to_the_raw_limit() -> No
 
 
 def test_report_sets_each_stall_against_the_faster_memcpy_floor() -> None:
-    from slurm_ckpt.bench import format_table
+    from bench import format_table
 
     def row(name: str, kind: str, median: float, best: float | None = None) -> dict[str, object]:
         return {"name": name, "kind": kind, "nbytes": 10**9, "times": [median, best or median], "median": median,
@@ -100,8 +100,8 @@ def test_each_memcpy_line_copies_into_a_buffer_that_only_it_writes() -> None:
     # whose destination other lines wrote just before would be timed warm.
     import torch
 
-    from slurm_ckpt.bench.disk import Raw
-    from slurm_ckpt.bench.run import _memcpy_floors
+    from bench.disk import Raw
+    from bench.run import _memcpy_floors
 
     raw = Raw(4 << 20, 1 << 20)
     flat = {"w": torch.arange(1 << 18, dtype=torch.float32) * 3, "b": torch.arange(1000, dtype=torch.int64)}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_ckpt.bench.sharded import format_sharded, run_sharded_bench
+from bench.sharded import format_sharded, run_sharded_bench
 
 pytestmark = pytest.mark.slow
 

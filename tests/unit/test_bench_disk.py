@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_ckpt.bench.disk import Raw
+from bench.disk import Raw
 from slurm_ckpt.engine.buffers import ALIGN, aligned_buffer
 
 

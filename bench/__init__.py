@@ -1,4 +1,4 @@
-"""``slurm-ckpt bench``: our engine against torch.save, DCP, safetensors, the raw disk
+"""``python -m bench`` (``slurm-ckpt bench`` in a checkout): our engine against torch.save, DCP, safetensors, the raw disk
 and, for background saves, the memcpy floor.
 
 Everything runs in one process, on one directory, interleaved: repetition 1
@@ -21,7 +21,7 @@ of an exact snapshot: one memcpy of the state into a reused buffer.
 Modules: ``run`` (the methods and their order), ``state`` (what is saved),
 ``disk`` (the raw limit, the cold cache), ``peers`` (torch.save, DCP,
 safetensors), ``report`` (the table and chart), ``scripts`` (what the
-scripts in ``bench/`` share), ``sharded`` (``--sharded``: an FSDP2 state over
+scripts here share), ``sharded`` (``--sharded``: an FSDP2 state over
 several ranks against ``dcp.save``/``dcp.load``).
 """
 

@@ -125,9 +125,10 @@ def _rank(rank: int, world: int, port: int, base: str, layers: int, width: int, 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from .. import Checkpointer
-    from ..engine import default_threads
-    from ..store.retention import reaped
+    from slurm_ckpt import Checkpointer
+    from slurm_ckpt.engine import default_threads
+    from slurm_ckpt.store.retention import reaped
+
     from .disk import drop_cache
 
     warnings.filterwarnings("ignore", category=UserWarning)

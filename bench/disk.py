@@ -7,8 +7,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ..engine.buffers import ALIGN, aligned_buffer
-from ..store.fsutil import preallocate
+from slurm_ckpt.engine.buffers import ALIGN, aligned_buffer
+from slurm_ckpt.store.fsutil import preallocate
 
 __all__ = ["Raw", "drop_cache", "fsync_path"]
 

@@ -16,17 +16,18 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ..checkpointer import Checkpointer
-from ..config import SNAPSHOTS, EngineConfig, load_config
-from ..engine.buffers import address_of, aligned_buffer
-from ..engine.memcopy import Piece, copy_bytes, copy_threads, nontemporal
-from ..engine.staging import Staging
+from slurm_ckpt.checkpointer import Checkpointer
+from slurm_ckpt.config import SNAPSHOTS, EngineConfig, load_config
+from slurm_ckpt.engine.buffers import address_of, aligned_buffer
+from slurm_ckpt.engine.memcopy import Piece, copy_bytes, copy_threads, nontemporal
+from slurm_ckpt.engine.staging import Staging
+
 from .disk import Raw, drop_cache
 from .peers import dcp_load, dcp_save, st_load, st_save, torch_save
 from .scripts import remove_steps, training_step
 from .state import flatten, map_tensors, small_state, state_nbytes, synthetic_state
 
-__all__ = ["FLOOR", "Result", "packed_pieces", "run_bench", "shuffled"]
+__all__ = ["FLOOR", "Result", "machine", "packed_pieces", "run_bench", "shuffled"]
 
 Progress = Callable[[str], None]
 Tick = Callable[..., None]
@@ -64,6 +65,21 @@ def shuffled(methods: list[Any], rep: int) -> list[Any]:
     return random.Random(rep).sample(methods, len(methods))
 
 
+def machine(root: Path) -> dict[str, Any]:
+    """What the results table names as the machine: CPU, memory, kernel, the filesystem measured."""
+    import platform
+
+    from slurm_ckpt.fsinfo import mount_of
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.machine())  # fmt: skip
+    mem = next((int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
+                if ln.startswith("MemTotal:")), 0)  # fmt: skip
+    m = mount_of(root)
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "memory_gib": round(mem / 2**30),
+            "kernel": platform.release(), "fs": f"{m.fstype} on {m.source}" if m else "?"}  # fmt: skip
+
+
 def run_bench(
     size: int,
     root: Path,
@@ -89,7 +105,8 @@ def run_bench(
     results: dict[str, Result] = {}
     info: dict[str, Any] = {"size": size, "nbytes": nbytes, "tensors": len(flat), "reps": reps,
                             "dir": str(root), "cores": cores, "torch": torch.__version__,
-                            "torch_huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"}  # fmt: skip
+                            "torch_huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
+                            "machine": machine(root)}  # fmt: skip
 
     def res(name: str, kind: str, n: int = nbytes) -> Result:
         return results.setdefault(f"{kind}:{name}", Result(name, kind, n))

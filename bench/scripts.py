@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ..engine.buffers import ALIGN, populate
+from slurm_ckpt.engine.buffers import ALIGN, populate
+
 from .state import flatten, synthetic_state
 
 __all__ = ["remove_steps", "script_finish", "script_state", "training_step"]
@@ -20,7 +21,7 @@ def script_state(sub: str, reps: int, make: Callable[[int], Any] | None = None) 
     else the synthetic one)."""
     import argparse
 
-    from ..config import parse_size
+    from slurm_ckpt.config import parse_size
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="1G")
