@@ -51,6 +51,11 @@ def run_epilog(env: Mapping[str, str] | None = None, cfg: Config | None = None) 
     except (ConfigError, InvalidJob) as e:
         log.error("epilog skipped: %s", e)
         return None
+    # First, as it is cheap: a few exact names, never a listing of the shared dir.
+    try:
+        _remove_metrics(ctx)
+    except Exception:
+        log.exception("epilog step _remove_metrics failed")
     base_fd = ctx.open_base()
     try:
         state_fd = open_state_dir(base_fd)
@@ -69,11 +74,10 @@ def run_epilog(env: Mapping[str, str] | None = None, cfg: Config | None = None) 
             os.close(state_fd)
     finally:
         os.close(base_fd)
-    for step in (_remove_io_cgroup, _remove_metrics):
-        try:
-            step(ctx)
-        except Exception:
-            log.exception("epilog step %s failed", step.__name__)
+    try:
+        _remove_io_cgroup(ctx)
+    except Exception:
+        log.exception("epilog step _remove_io_cgroup failed")
     log.info("epilog done in %.0f ms: %s", ctx.deadline.elapsed_ms(), result)
     return result
 
@@ -231,6 +235,6 @@ def _remove_metrics(ctx: HookContext) -> None:
     from ..metrics import remove_job_textfiles
 
     try:
-        remove_job_textfiles(ctx.cfg.metrics.textfile_dir, ctx.job.job_id)
+        remove_job_textfiles(ctx.cfg.metrics.textfile_dir, ctx.job.job_id, until=ctx.deadline.end - TAIL_RESERVE)
     except OSError as e:
         log.warning("cannot remove the job's metrics files: %s", e)
