@@ -92,8 +92,11 @@ def _prepare(ctx: HookContext, base_fd: int, state_fd: int) -> JobReport:
         # The id came back for another job: the old job's kept scratch is not this one's.
         return graveyard.set_aside_kept(base_fd, state_fd, job_dir_name(job_id))
 
+    def drop(key: str, entry: dict[str, Any]) -> str | None:
+        return graveyard.drop_kept(base_fd, state_fd, key, ctx.deadline.part(0.25, 2.0))
+
     grant = ledger.reserve(job.job_id, want, uid=job.uid, policy=sc.over_reserve, min_size=sc.min_size,
-                           restarts=job.restart_count, alive=alive, set_aside=set_aside)  # fmt: skip
+                           restarts=job.restart_count, alive=alive, set_aside=set_aside, drop=drop)  # fmt: skip
     report.asked, report.size = asked, grant.size
     if grant.warning:
         report.warnings.append(grant.warning)

@@ -112,3 +112,60 @@ def test_the_epilog_stays_clear_of_the_watchdog_when_the_stage_out_hangs(node: N
     assert "keeping scratch" in node.log()  # the only copy of the checkpoint stays
     assert (fast_dir(node.scratch("702")) / "step-000000005").is_dir()
     sh("umount", "-l", str(node.scratch("702")), check=False)
+
+
+def _ledger(node: Node) -> dict[str, dict[str, Any]]:
+    import json
+
+    return json.loads((node.base / ".slurm-ckpt" / "ledger.json").read_text())  # type: ignore[no-any-return]
+
+
+def _failing_job(node: Node, user: User, job_id: str, **env: str) -> None:
+    """A job whose stage-out fails on its own data: a checkpoint whose manifest its user made unreadable."""
+    assert node.run("prolog", user, job_id, **env)[0] == 0, node.log()
+    step = write_ckpt(fast_dir(node.scratch(job_id)), 1, owner=user)
+    (step / "MANIFEST.json").chmod(0)
+    assert node.run("epilog", user, job_id)[0] == 0, node.log()
+
+
+def test_a_kept_scratch_never_blocks_another_users_job(node: Node, user: User, other_user: User) -> None:
+    """A one-second job takes the whole node's scratch and fails its own stage-out: it is kept,
+    but the next user's job gets its scratch, and the kept one is dropped with a log line."""
+    node.write_config(scratch={"over_reserve": "none", "keep_per_user": "1G"})
+    _failing_job(node, user, "711", SLURM_JOB_COMMENT="ckpt_scratch=480M")
+    kept = _ledger(node)["711"]
+    assert kept["kept"] and kept["size"] == 480 * 2**20
+    assert kept["keep_for"] == pytest.approx(86400 * 64 / 480)  # its own data (a 7th), 7.5x the default size
+    assert node.run("prolog", other_user, "712")[0] == 0, node.log()
+    assert _ledger(node)["712"]["size"] == 64 * 2**20 and "711" not in _ledger(node)
+    assert node.scratch("712").is_dir() and not node.scratch("711").exists()
+    assert "dropping kept scratch 711" in node.log() and "job 712 needs the room" in node.log()
+    assert node.run("epilog", other_user, "712")[0] == 0
+
+
+def test_a_user_holds_at_most_keep_per_user_of_kept_scratch(node: Node, user: User) -> None:
+    node.write_config(scratch={"keep_per_user": "150M"})
+    for job_id in ("721", "722", "723"):
+        _failing_job(node, user, job_id)
+    ledger = _ledger(node)
+    assert "721" not in ledger and ledger["722"]["kept"] and ledger["723"]["kept"]  # the oldest went
+    assert not node.scratch("721").exists() and node.scratch("723").is_dir()
+    assert ledger["723"]["keep_for"] == pytest.approx(86400)  # a seventh of 7 days
+    _failing_job(node, user, "724", SLURM_JOB_COMMENT="ckpt_scratch=200M")  # alone over the cap
+    assert "724" not in _ledger(node) and not node.scratch("724").exists()
+    assert "not keeping scratch" in node.log()
+
+
+def test_keep_time_follows_size_and_cause() -> None:
+    from slurm_ckpt.config import ScratchConfig
+    from slurm_ckpt.node.epilog import keep_time
+    from slurm_ckpt.node.stageresult import StageResult
+
+    sc = ScratchConfig(default_size=10 * 2**30)  # type: ignore[arg-type]
+    week, slow = 7 * 86400, StageResult("timeout", "stage-out still running after 200s; killed")
+    own = StageResult("failed", "unreadable checkpoint(s): MANIFEST.json: Permission denied")
+    assert keep_time(sc, 10 * 2**30, slow) == week
+    assert keep_time(sc, 10 * 2**30, StageResult("failed", "no allowed durable run dir: x")) == week
+    assert keep_time(sc, 10 * 2**30, own) == week / 7
+    assert keep_time(sc, 20 * 2**30, slow) == week / 2
+    assert keep_time(sc, 2**40, own) == 3600
