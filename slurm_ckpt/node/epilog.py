@@ -24,7 +24,7 @@ from ..config import Config, ScratchConfig, format_size
 from ..errors import ConfigError
 from ..fsinfo import cgroup_mount
 from ..store.layout import fast_dir
-from . import cgroup, graveyard, loopfs, quota
+from . import cgroup, graveyard, loopfs, mounts, quota
 from .hook import HookContext, load_context, setup_logging
 from .job import InvalidJob
 from .ledger import Ledger, kept_oldest_first
@@ -68,6 +68,11 @@ def run_epilog(env: Mapping[str, str] | None = None, cfg: Config | None = None) 
         except Exception:  # a bug here must not drain every node
             log.exception("epilog failed; scratch %s left in place", ctx.scratch)
             result = StageResult("failed", "epilog error")
+            try:  # kept, so it expires and yields to other jobs, rather than held for good
+                ledger.set_kept(ctx.job.job_id, "epilog error", ctx.job.restart_count,
+                                keep_time(ctx.cfg.scratch, 0, result))  # fmt: skip
+            except Exception:
+                log.exception("cannot mark the scratch of job %s kept", ctx.job.job_id)
         try:
             if graveyard.due(ledger.snapshot, state_fd, ctx.cfg.scratch.keep_failed):
                 graveyard.start_reaper(ctx)
@@ -88,9 +93,10 @@ def run_epilog(env: Mapping[str, str] | None = None, cfg: Config | None = None) 
 def _stage_and_clean(ctx: HookContext, base_fd: int, state_fd: int, ledger: Ledger) -> StageResult | None:
     job = ctx.job
     name = job.dir_name
-    try:
-        os.stat(name, dir_fd=base_fd, follow_symlinks=False)
-    except FileNotFoundError:
+    # Before anything looks into scratch: a user's FUSE mount there (a dead daemon, or
+    # one answering EIO or never) is detached, never followed.
+    mounts.detach_foreign(base_fd, name, ctx.deadline.left(CLEANUP_RESERVE) / 4)
+    if not mounts.exists(base_fd, name):
         # Already cleaned (a second run), or the job got no scratch.
         _remove_scratch(ctx, base_fd, state_fd, ledger)
         _remove_report(ctx)

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ..errors import StorageError, storage_error
-from . import commands
+from . import commands, mounts
 from .rootdir import open_private_subdir
 
 if TYPE_CHECKING:
@@ -74,12 +74,22 @@ _RELEASE_WAIT = 2.0
 
 
 def is_mount_point(base_fd: int, name: str) -> bool:
-    """True if ``<base>/<name>`` is a directory on another filesystem than the base."""
+    """True if ``<base>/<name>`` is on another mount than the base.
+
+    By mount id through an ``O_PATH`` fd: a stat would ask the filesystem
+    mounted there, which may be a user's FUSE mount that never answers.
+    """
     try:
-        st = os.stat(name, dir_fd=base_fd, follow_symlinks=False)
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=base_fd)
     except FileNotFoundError:
         return False
-    return st.st_dev != os.fstat(base_fd).st_dev
+    try:
+        mine, base = mounts.mount_id(fd), mounts.mount_id(base_fd)
+        if mine is None or base is None:
+            return os.fstat(fd).st_dev != os.fstat(base_fd).st_dev
+        return mine != base
+    finally:
+        os.close(fd)
 
 
 def open_image_dir(state_fd: int) -> int:
@@ -276,6 +286,9 @@ def unmount_image(base_fd: int, state_fd: int, name: str, timeout: float, delete
     reservation) in the graveyard until :func:`attached` says no more.
     ``delete=False`` unmounts and leaves the image where it is.
     """
+    # A user's own mounts on or in the job dir go first: a umount by path would take the
+    # top one only, and the loop filesystem under it would stay.
+    mounts.detach_foreign(base_fd, name, timeout)
     mounted, lazy = is_mount_point(base_fd, name), False
     if mounted:
         # By name under the root-owned base, which no user can change; not by an

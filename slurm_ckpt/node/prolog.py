@@ -25,7 +25,7 @@ from typing import Any
 from ..config import Config, IOLimits, format_size, job_dir_name
 from ..errors import ConfigError, StorageError, storage_error
 from ..fsinfo import block_device, cgroup_mount, mount_of, set_project
-from . import cgroup, commands, graveyard, loopfs, quota
+from . import cgroup, commands, graveyard, loopfs, mounts, quota
 from .hook import HookContext, load_context, setup_logging
 from .job import InvalidJob, comment_size
 from .ledger import GRAVE, Ledger
@@ -80,6 +80,8 @@ def _prepare(ctx: HookContext, base_fd: int, state_fd: int) -> JobReport:
     asked = comment_size(job, "ckpt_scratch", report.warnings) or sc.default_size
     want = _capped(asked, sc.default_size, sc.max_size, max(0, capacity - sc.headroom), report.warnings)
     ledger = Ledger(ctx.state_dir, capacity, sc.headroom)
+    # A mount left on this job's name (a kept scratch's, a reused id's) is detached, never followed.
+    mounts.detach_foreign(base_fd, job.dir_name, ctx.deadline.left(2.0) / 4)
 
     def alive(key: str, entry: dict[str, Any]) -> bool:
         if key.startswith(GRAVE):  # held until the reaper has removed it
@@ -137,11 +139,8 @@ def _capped(asked: int, default: int, max_size: int, reservable: int, warnings: 
 
 
 def _exists(name: str, dir_fd: int) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return True
+    # Not a stat: another job's dir may carry its user's FUSE mount, dead or answering EIO.
+    return mounts.exists(dir_fd, name)
 
 
 def _write_report(ctx: HookContext, report: JobReport, base_fd: int, state_fd: int) -> None:

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from slurm_ckpt.store.layout import fast_dir
-from tests.node.helpers import User, fuse_of, owned_tree, sh, write_ckpt, write_config
+from tests.faultfs.mounts import mount_faultfs
+from tests.node.helpers import User, dead_fuse_of, fuse_of, owned_tree, sh, write_ckpt, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).with_name("slurm-ckpt")
@@ -169,3 +170,69 @@ def test_keep_time_follows_size_and_cause() -> None:
     assert keep_time(sc, 10 * 2**30, own) == week / 7
     assert keep_time(sc, 20 * 2**30, slow) == week / 2
     assert keep_time(sc, 2**40, own) == 3600
+
+
+def _age(node: Node, job_id: str) -> None:
+    """Make a reservation older than a prolog's time budget, as it is once its job has run a while
+    (younger ones are taken as still being made, and their dirs are not looked at)."""
+    import json
+
+    path = node.base / ".slurm-ckpt" / "ledger.json"
+    entries = json.loads(path.read_text())
+    entries[job_id]["since"] = 0
+    path.write_text(json.dumps(entries))
+
+
+def _mounts_under(path: Path) -> list[str]:
+    from slurm_ckpt.node.mounts import table
+
+    return [f"{m.fstype} on {m.point}" for m in table() if m.point.startswith(str(path))]
+
+
+def test_a_dead_fuse_daemon_on_the_job_dir(node: Node, user: User, other_user: User) -> None:
+    """The user mounts FUSE on their own job dir with fusermount3, as themselves; its daemon
+    dies with the job. Root's every call there fails (EACCES: not allow_other; ENOTCONN: no
+    daemon). The other user's prolog still gets scratch, and the epilog detaches the mount,
+    removes the scratch and releases its reservation."""
+    assert node.run("prolog", user, "731")[0] == 0, node.log()
+    with dead_fuse_of(user, node.scratch("731")) as how:
+        print("FUSE mounted by", how)
+        assert [m.split()[0] for m in _mounts_under(node.scratch("731"))] == ["ext4", "fuse"]
+        with pytest.raises(PermissionError):
+            os.stat(node.scratch("731"))
+        _age(node, "731")
+        assert node.run("prolog", other_user, "732")[0] == 0, node.log()
+        assert _ledger(node)["732"]["size"] == 64 * 2**20 and node.scratch("732").is_dir()
+        assert node.run("epilog", user, "731")[0] == 0, node.log()
+        assert _mounts_under(node.scratch("731")) == []
+        assert "731" not in _ledger(node) and not node.scratch("731").exists()
+        assert "detached a mount the hooks did not make" in node.log()
+    assert node.run("epilog", other_user, "732")[0] == 0, node.log()
+    assert _ledger(node) == {}
+
+
+def test_an_allow_other_fuse_answering_eio_fails_no_other_prolog(node: Node, user: User, other_user: User,
+                                                                 pub_tmp: Path) -> None:  # fmt: skip
+    """A live FUSE daemon mounted allow_other on the user's job dir answers EIO to every call,
+    root's too. EIO from scratch would be a node fault (exit 12, a drained node) if the hooks
+    followed the mount; they do not.
+
+    The daemon runs as root with allow_other: an ordinary user's fusermount3 allows that
+    only with user_allow_other in /etc/fuse.conf, a machine-wide setting this test leaves
+    alone. What the hooks see is the same: a mount they did not make, answering EIO."""
+    assert node.run("prolog", user, "733")[0] == 0, node.log()
+    work = pub_tmp / "fuse-eio"
+    with mount_faultfs(work / "root", node.scratch("733"), work / "ctl.sock",
+                       options=("allow_other", "nonempty", "attr_timeout=0", "entry_timeout=0")) as fs:  # fmt: skip
+        fs.set({"op": "*", "errno": "EIO"})
+        with pytest.raises(OSError, match="Input/output error"):
+            os.listdir(node.scratch("733"))  # root's calls reach the daemon, which fails them
+        _age(node, "733")
+        assert node.run("prolog", other_user, "734")[0] == 0, node.log()
+        assert _ledger(node)["734"]["size"] == 64 * 2**20 and node.scratch("734").is_dir()
+        assert node.run("epilog", user, "733")[0] == 0, node.log()
+        assert _mounts_under(node.scratch("733")) == []
+        assert "733" not in _ledger(node) and not node.scratch("733").exists()
+        fs_left = fs.root
+    assert fs_left.is_dir()  # the daemon's own files were never touched
+    assert node.run("epilog", other_user, "734")[0] == 0, node.log()
