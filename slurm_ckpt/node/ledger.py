@@ -22,7 +22,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,7 @@ from typing import Any
 from ..config import format_size
 from ..errors import LockHeld, StorageError, storage_error
 
-__all__ = ["GRAVE", "Dropper", "Grant", "Ledger", "kept_oldest_first"]
+__all__ = ["GRAVE", "LEAK", "Dropper", "Grant", "Ledger", "kept_oldest_first"]
 
 log = logging.getLogger("slurm_ckpt.node")
 
@@ -39,12 +39,25 @@ LEDGER = "ledger.json"
 LOCK = "ledger.lock"
 GRAVE = "grave/"
 """Key prefix of a reservation held by a graveyard entry."""
+LEAK = "leak/"
+"""Key prefix of space a loop device holds that no reservation names (``<device>:<inode>``)."""
 _MAX_LEDGER = 64 * 1024**2
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 Entries = dict[str, dict[str, Any]]
 Dropper = Callable[[str, dict[str, Any]], "str | None"]
+
+
+def _account_leaks(entries: Entries, leaked: Mapping[str, int]) -> None:
+    for key in [k for k in entries if k.startswith(LEAK) and k[len(LEAK):] not in leaked]:
+        log.info("leaked scratch %s is gone; its %s are free again", key, format_size(int(entries.pop(key)["size"])))
+    for name, size in leaked.items():
+        if LEAK + name not in entries:
+            log.warning("loop device %s holds %s of scratch that no reservation names (an image unlinked while "
+                        "still mounted somewhere); counted as taken until it lets go", name.split(":")[0],
+                        format_size(size))  # fmt: skip
+            entries[LEAK + name] = {"size": size, "since": time.time()}
 
 
 def kept_oldest_first(entries: Entries, uid: int | None = None) -> list[str]:
@@ -186,7 +199,7 @@ class Ledger:
     def reserve(self, job_id: str, asked: int, *, uid: int, policy: str, min_size: int,
                 restarts: int = 0, alive: Callable[[str, dict[str, Any]], bool] | None = None,
                 set_aside: Callable[[str, dict[str, Any]], str | None] | None = None,
-                drop: Dropper | None = None) -> Grant:  # fmt: skip
+                drop: Dropper | None = None, leaked: Mapping[str, int] | None = None) -> Grant:  # fmt: skip
         """Reserve ``asked`` bytes for ``job_id``, or less under ``policy``.
 
         A job that already holds a reservation (requeued onto the same node,
@@ -197,6 +210,9 @@ class Ledger:
         scratch out of the way: its reservation lives on as ``grave/<name>``.
         ``alive(key, entry) -> bool`` lets the caller drop entries whose
         scratch no longer exists (a node that crashed before its epilog).
+        ``leaked`` (``{name: bytes}``, from :func:`loopfs.leaked`) replaces the
+        ``leak/`` entries: space no reservation names but a loop device still
+        holds, counted as taken until it is gone.
         When the rest is too little, ``drop(key, entry)`` removes kept
         scratch of other jobs, the oldest first, until it is enough (see
         :meth:`drop_kept` for what it returns).
@@ -214,8 +230,10 @@ class Ledger:
                 if old.pop("kept", None) is not None:  # adopted by its job's next run
                     old.pop("kept_since", None)
                 return Grant(asked, int(old["size"]))
+            if leaked is not None:
+                _account_leaks(entries, leaked)
             if alive is not None:
-                for stale in [k for k, e in entries.items() if not alive(k, e)]:
+                for stale in [k for k, e in entries.items() if not alive(k, e) and not k.startswith(LEAK)]:
                     log.warning("dropping stale scratch reservation %s", stale)
                     del entries[stale]
             held = sum(int(e["size"]) for e in entries.values())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import os
@@ -98,7 +99,8 @@ def _prepare(ctx: HookContext, base_fd: int, state_fd: int) -> JobReport:
         return graveyard.drop_kept(base_fd, state_fd, key, ctx.deadline.part(0.25, 2.0))
 
     grant = ledger.reserve(job.job_id, want, uid=job.uid, policy=sc.over_reserve, min_size=sc.min_size,
-                           restarts=job.restart_count, alive=alive, set_aside=set_aside, drop=drop)  # fmt: skip
+                           restarts=job.restart_count, alive=alive, set_aside=set_aside, drop=drop,
+                           leaked=loopfs.leaked(base_fd, lambda: _image_inodes(state_fd)))  # fmt: skip
     report.asked, report.size = asked, grant.size
     if grant.warning:
         report.warnings.append(grant.warning)
@@ -136,6 +138,22 @@ def _capped(asked: int, default: int, max_size: int, reservable: int, warnings: 
                         f"{format_size(default)}")  # fmt: skip
         return min(default, reservable)
     return asked
+
+
+def _image_inodes(state_fd: int) -> set[int]:
+    """Inodes of the images the ledger accounts for: in the image dir and the graveyard."""
+    out: set[int] = set()
+    for sub in (loopfs.IMAGE_DIR, graveyard.GRAVE_DIR):
+        try:
+            fd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=state_fd)
+        except OSError:
+            continue
+        try:
+            with os.scandir(fd) as it:
+                out.update(e.inode() for e in itertools.islice(it, 100_000))
+        finally:
+            os.close(fd)
+    return out
 
 
 def _exists(name: str, dir_fd: int) -> bool:

@@ -236,3 +236,84 @@ def test_an_allow_other_fuse_answering_eio_fails_no_other_prolog(node: Node, use
         fs_left = fs.root
     assert fs_left.is_dir()  # the daemon's own files were never touched
     assert node.run("epilog", other_user, "734")[0] == 0, node.log()
+
+
+def _hold_in_userns(user: User, path: Path) -> subprocess.Popen[str]:
+    """A process of ``user`` in its own user and mount namespace (``unshare -Urm``), cwd in
+    ``path``: that namespace has its own copy of every mount, the job's loop filesystem too."""
+    from tests.node.helpers import PATH
+
+    if user.run("unshare", "-Urm", "true", check=False).returncode:
+        pytest.skip("unprivileged user namespaces are off on this kernel")
+    p = subprocess.Popen(["unshare", "-Urm", "sh", "-c", 'cd "$1" && echo ready && exec sleep 600', "sh", str(path)],
+                         user=user.uid, group=user.gid, extra_groups=[], cwd="/", env={"PATH": PATH},
+                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
+def _end(p: subprocess.Popen[str]) -> None:
+    p.kill()
+    p.wait(timeout=30)
+
+
+def _until(what: str, cond: Any, timeout: float = 30) -> None:
+    """Wait for the kernel to let a loop device go after its last mount namespace died:
+    that happens in the kernel's own time, with nothing to wait on but polling."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_user_namespace_holding_the_loop_fs_keeps_it_reserved(node: Node, user: User,
+                                                                 other_user: User) -> None:  # fmt: skip
+    """Another job of the user holds the job's loop filesystem from its own user and mount
+    namespace. The epilog's umount succeeds, but the device and the image's blocks stay: the
+    reservation stays too (in the graveyard), until the device lets go."""
+    from slurm_ckpt.node.graveyard import reap
+
+    node.write_config(scratch={"over_reserve": "none"})
+    assert node.run("prolog", user, "741", SLURM_JOB_COMMENT="ckpt_scratch=400M")[0] == 0, node.log()
+    holder = _hold_in_userns(user, node.scratch("741"))
+    try:
+        assert node.run("epilog", user, "741")[0] == 0, node.log()
+        graves = {k: e for k, e in _ledger(node).items() if k.startswith("grave/")}
+        assert [(e["job"], e["size"]) for e in graves.values()] == [("741", 400 * 2**20)]
+        assert "still holds its image" in node.log()
+        assert node.run("prolog", other_user, "742", SLURM_JOB_COMMENT="ckpt_scratch=200M")[0] == 0
+        assert "742" not in _ledger(node) and "No space left" not in node.log()  # refused up front
+    finally:
+        _end(holder)
+    _until("the image to be reaped", lambda: reap(str(node.base), 86400, 60, wait=True) and _ledger(node) == {})
+    assert node.run("prolog", other_user, "743", SLURM_JOB_COMMENT="ckpt_scratch=200M")[0] == 0
+    assert _ledger(node)["743"]["size"] == 200 * 2**20
+    assert node.run("epilog", other_user, "743")[0] == 0
+
+
+def test_a_leaked_loop_device_is_counted_by_the_next_prolog(node: Node, user: User, other_user: User) -> None:
+    """An image unlinked while a user's namespace still held its filesystem (what an epilog
+    that trusted its umount did): no name, no reservation, but 400 MiB of blocks. The next
+    prolog counts the device's space as taken instead of promising it to another job."""
+    node.write_config(scratch={"over_reserve": "none"})
+    assert node.run("prolog", user, "744", SLURM_JOB_COMMENT="ckpt_scratch=400M")[0] == 0, node.log()
+    holder = _hold_in_userns(user, node.scratch("744"))
+    try:
+        sh("umount", str(node.scratch("744")))
+        (node.base / ".slurm-ckpt" / "img" / "job_744.img").unlink()
+        node.scratch("744").rmdir()
+        (node.base / ".slurm-ckpt" / "ledger.json").write_text("{}")
+        assert node.run("prolog", other_user, "745", SLURM_JOB_COMMENT="ckpt_scratch=200M")[0] == 0
+        leaks = {k: e["size"] for k, e in _ledger(node).items() if k.startswith("leak/")}
+        assert list(leaks.values()) == [400 * 2**20] and "745" not in _ledger(node)
+        assert "No space left" not in node.log()
+    finally:
+        _end(holder)
+
+    def freed() -> bool:
+        assert node.run("prolog", other_user, "746", SLURM_JOB_COMMENT="ckpt_scratch=200M")[0] == 0
+        return "746" in _ledger(node)
+
+    _until("the leaked device to go", freed)
+    assert not any(k.startswith("leak/") for k in _ledger(node))
+    assert node.run("epilog", other_user, "746")[0] == 0
