@@ -214,3 +214,27 @@ def dead_fuse_of(user: User, path: Path) -> Iterator[str]:
     else:
         with fuse_of(user, path, hung=False):
             yield "root, for the user (/dev/fuse is root's alone here)"
+
+
+def remove_tree(path: Path) -> None:
+    """Unmount everything below ``path`` (innermost first; lazily if busy), then remove it.
+
+    Never walks a tree through a mount: a kept loop image or a user's FUSE
+    mount left below would have its files deleted. Mount points come from
+    mountinfo, unescaped (a name with a space is written there as ``\\040``);
+    if any is still mounted after that, the tree is left and this raises.
+    """
+    import shutil
+
+    from slurm_ckpt.node.mounts import table
+
+    def below() -> list[str]:
+        return [m.point for m in table() if m.point.startswith(str(path) + "/")]
+
+    for point in reversed(below()):
+        if sh("umount", "--no-canonicalize", point, check=False).returncode:
+            sh("umount", "--no-canonicalize", "-l", point, check=False)
+    left = below()
+    if left:
+        raise RuntimeError(f"not removing {path}: still mounted below it: {left}")
+    shutil.rmtree(path, ignore_errors=True)

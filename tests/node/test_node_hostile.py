@@ -317,3 +317,29 @@ def test_a_leaked_loop_device_is_counted_by_the_next_prolog(node: Node, user: Us
     _until("the leaked device to go", freed)
     assert not any(k.startswith("leak/") for k in _ledger(node))
     assert node.run("epilog", other_user, "746")[0] == 0
+
+
+def test_cleanup_unmounts_before_it_removes() -> None:
+    """A kept loop image still mounted below a tree that the test cleanup removes, at a name
+    mountinfo escapes (a space), held busy: it is detached, never walked; its files stay."""
+    import tempfile
+
+    from tests.node.helpers import need_root, remove_tree
+
+    need_root()
+    top = Path(tempfile.mkdtemp(prefix="sckt-", dir="/tmp"))
+    mnt, img = top / "job_9 kept" / "scratch", top / "kept.img"
+    mnt.mkdir(parents=True)
+    sh("truncate", "-s", "16M", str(img))
+    sh("mkfs.ext4", "-q", "-F", str(img))
+    sh("mount", "-o", "loop", str(img), str(mnt))
+    (mnt / "ckpt").write_text("the only copy")
+    held = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)  # busy: the umount must fall back to a lazy one
+    try:
+        remove_tree(top)
+        assert not top.exists()
+        with open(os.open("ckpt", os.O_RDONLY, dir_fd=held)) as f:
+            assert f.read() == "the only copy"
+    finally:
+        os.close(held)  # the detached filesystem and its loop device go with the last reference
+        sh("umount", "-l", str(mnt), check=False)
