@@ -343,3 +343,27 @@ def test_cleanup_unmounts_before_it_removes() -> None:
     finally:
         os.close(held)  # the detached filesystem and its loop device go with the last reference
         sh("umount", "-l", str(mnt), check=False)
+
+
+def test_every_attack_at_once_stays_clear_of_the_watchdog(node: Node, user: User, other_user: User) -> None:
+    """Metrics names, a stage-out hung on the user's FUSE mount, a dead FUSE mount on the job
+    dir, scratch filled to its inode limit and a user namespace holding the loop filesystem, in one
+    job: the epilog (config: 240 s; watchdog: 15 s) ends before the watchdog, exit 0."""
+    node.settings(SLURM_CKPT_EPILOG_WATCHDOG="15")
+    assert node.run("prolog", user, "751")[0] == 0, node.log()
+    scratch = node.scratch("751")
+    write_ckpt(fast_dir(scratch), 5, owner=user)
+    user.run("/bin/sh", "-c", 'cd "$1" && mkdir many && cd many && seq 1 900 | xargs touch', "sh", str(scratch))
+    user.run("/bin/sh", "-c", 'cd "$1" && seq -f "slurm_ckpt_751_%gx.prom" 1 20000 | xargs touch', "sh",
+             str(node.prom))  # fmt: skip
+    durable = node.root / user.name / "job_751"
+    owned_tree(durable, user)
+    holder = _hold_in_userns(user, scratch)
+    try:
+        with fuse_of(user, durable, hung=True), dead_fuse_of(user, scratch):
+            rc, took = node.run("epilog", user, "751")
+    finally:
+        _end(holder)
+    print(f"epilog with every attack at once: {took:.2f} s wall, watchdog 15 s ({took / 15:.2f} of it)")
+    assert rc == 0 and took < 15, node.log()
+    assert "keeping scratch" in node.log()  # the stage-out timed out: the only copy stays
