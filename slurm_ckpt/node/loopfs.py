@@ -290,6 +290,30 @@ def leaked(base_fd: int, known: Callable[[], set[int]]) -> dict[str, int]:
     return {f"{n}:{ino}": size for n, ino, size in ours if ino not in names}
 
 
+def _mounted_elsewhere(fd: int) -> bool:
+    """Whether a filesystem on a loop device of the image ``fd`` is still mounted anywhere.
+
+    The filesystem's entry in /sys/fs lives as long as it is mounted, in
+    whatever mount namespace. Read from sysfs, never by opening the device:
+    the last close of a device whose mount is gone would make this wait for
+    its autoclear.
+    """
+    path = os.readlink(f"/proc/self/fd/{fd}")
+    try:
+        names = [n for n in os.listdir("/sys/block") if n.startswith("loop")]
+    except OSError:
+        return False
+    for n in names:
+        try:
+            with open(f"/sys/block/{n}/loop/backing_file", "rb") as f:
+                backing = os.fsdecode(f.read().rstrip(b"\n"))
+        except OSError:
+            continue  # not bound
+        if backing == path and any(os.path.exists(f"/sys/fs/{t}/{n}") for t in _MKFS):
+            return True
+    return False
+
+
 def _held(fd: int, wait: float) -> bool:
     """Whether a loop device still holds the image ``fd`` after ``wait`` seconds."""
     end = time.monotonic() + wait
@@ -315,7 +339,7 @@ def unmount_image(base_fd: int, state_fd: int, name: str, timeout: float, delete
     # A user's own mounts on or in the job dir go first: a umount by path would take the
     # top one only, and the loop filesystem under it would stay.
     mounts.detach_foreign(base_fd, name, timeout)
-    mounted = is_mount_point(base_fd, name)
+    mounted, lazy = is_mount_point(base_fd, name), False
     if mounted:
         # By name under the root-owned base, which no user can change; not by an
         # fd, which would itself hold the mount busy.
@@ -327,6 +351,7 @@ def unmount_image(base_fd: int, state_fd: int, name: str, timeout: float, delete
             rc, out = commands.run(["umount", "--no-canonicalize", "-l", path], timeout, (base_fd,))
             if rc:
                 raise StorageError(errno.EBUSY, f"cannot unmount scratch: {out.strip()}", name)
+            lazy = True
     img_dir = open_image_dir(state_fd)
     try:
         try:
@@ -340,7 +365,7 @@ def unmount_image(base_fd: int, state_fd: int, name: str, timeout: float, delete
         # with its cwd inside), where our umount does not reach, or, after a
         # lazy detach, while anyone holds a file in it. Its blocks are taken
         # until then, whatever the image's name says.
-        if (mounted and _held(fd, min(timeout, _RELEASE_WAIT))) or (not mounted and attached(fd)):
+        if (lazy and _held(fd, min(timeout, _RELEASE_WAIT))) or (not lazy and _mounted_elsewhere(fd)):
             log.warning("the loop device of %s still holds its image (mounted in another mount namespace, "
                         "or a file in it held open): it stays reserved until the device lets go", name)  # fmt: skip
             return fd
