@@ -194,7 +194,14 @@ class ScratchConfig:
     how long removing a job's scratch takes."""
     keep_failed: Duration = Duration(7 * 86400)
     """How long a scratch the epilog kept (its stage-out failed: it may hold the only copy of a
-    checkpoint) stays, with its reservation, before a later hook removes it anyway (7d, 12h)."""
+    checkpoint) stays, with its reservation, before a later hook removes it anyway (7d, 12h).
+    The longest keep: a job whose stage-out failed on its own data (an unreadable checkpoint) keeps a
+    seventh of it, and one that reserved more than default_size keeps it shorter in
+    proportion (never under an hour). A kept scratch never blocks another job: when a new
+    job needs its room, the oldest kept scratch goes first."""
+    keep_per_user: Size = Size(0)
+    """Most bytes of kept scratch one user may hold on this node; a newer keep drops the
+    user's oldest, and one larger than this is not kept. 0: a quarter of the filesystem."""
     reap_budget: float = 60.0
     """Seconds a background reaper, started by a hook, spends removing what hooks could not
     remove within their own deadline (the graveyard) and kept scratch past keep_failed."""
@@ -208,8 +215,8 @@ class ScratchConfig:
             raise ConfigError("scratch.loop_fstype must be ext4 or xfs")
         if min(self.prolog_timeout, self.epilog_timeout, self.check_timeout) <= 0:
             raise ConfigError("scratch.prolog_timeout, epilog_timeout and check_timeout must be > 0")
-        if self.keep_failed <= 0 or self.reap_budget <= 0 or self.max_inodes < 0:
-            raise ConfigError("scratch.keep_failed and reap_budget must be > 0, max_inodes >= 0")
+        if self.keep_failed <= 0 or self.reap_budget <= 0 or self.max_inodes < 0 or self.keep_per_user < 0:
+            raise ConfigError("scratch.keep_failed and reap_budget must be > 0, max_inodes and keep_per_user >= 0")
 
 
 @dataclass(frozen=True)

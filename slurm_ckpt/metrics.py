@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .config import MetricsConfig
 
-__all__ = ["EXPORTED", "PREFIX", "Metrics", "remove_job_textfiles"]
+__all__ = ["EXPORTED", "MAX_LOCAL_TASKS", "PREFIX", "Metrics", "remove_job_textfiles", "textfile_name"]
 
 log = logging.getLogger("slurm_ckpt")
 
@@ -152,7 +152,10 @@ class Metrics:
         job = job_id or file_id
         path = None
         if cfg.textfile_dir:
-            path = Path(cfg.textfile_dir) / f"slurm_ckpt_{_safe(file_id)}_{_safe(rank)}.prom"
+            # By the task's index on this node, which the epilog can name without
+            # listing the dir (ranks of other nodes' tasks it cannot know).
+            local = env.get("SLURM_LOCALID") or env.get("LOCAL_RANK") or rank
+            path = Path(cfg.textfile_dir) / textfile_name(file_id, local)
         restarts = env.get("SLURM_RESTART_COUNT", "0")
         m = cls(path, {"job_id": job, "rank": rank, "user": user},
                 requeues=int(restarts) if restarts.isdigit() else 0)  # fmt: skip
@@ -290,12 +293,38 @@ class Metrics:
                 self.textfile.unlink()
 
 
-def remove_job_textfiles(textfile_dir: str | os.PathLike[str], job_id: str) -> list[Path]:
-    """Delete the textfiles of job ``job_id`` (its SLURM_JOB_ID), for the epilog, so
-    no alert fires for a job that no longer runs. Returns what was removed."""
+def textfile_name(job_id: str, local_id: str) -> str:
+    """The textfile of task ``local_id`` (its index on the node) of job ``job_id``."""
+    return f"slurm_ckpt_{_safe(job_id)}_{_safe(local_id)}.prom"
+
+
+MAX_LOCAL_TASKS = 1024
+"""Tasks of one job on one node whose textfiles the epilog removes (local ids 0..N-1)."""
+
+
+def remove_job_textfiles(textfile_dir: str | os.PathLike[str], job_id: str, *, until: float | None = None,
+                         tasks: int = MAX_LOCAL_TASKS) -> list[Path]:  # fmt: skip
+    """Delete the textfiles job ``job_id`` (its SLURM_JOB_ID) wrote, for the epilog, so no
+    alert fires for a job that no longer runs. Returns what was removed.
+
+    Only the exact names :meth:`Metrics.from_config` gives (local ids below
+    ``tasks``), each unlinked by name: the dir is never listed, so the entries
+    users make in a world-writable dir cost nothing, and none of them is
+    removed. Stops at ``until`` (a ``time.monotonic()`` value).
+    """
     removed = []
-    for p in Path(textfile_dir).glob(f"slurm_ckpt_{_safe(job_id)}_*.prom"):
-        with contextlib.suppress(FileNotFoundError):
-            p.unlink()
-            removed.append(p)
+    d = os.open(textfile_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i in range(tasks):
+            if until is not None and time.monotonic() >= until:
+                log.warning("stopped removing the textfiles of job %s at the deadline", job_id)
+                break
+            name = textfile_name(job_id, str(i))
+            try:
+                os.unlink(name, dir_fd=d)  # a directory at the name stays: EISDIR
+            except OSError:
+                continue
+            removed.append(Path(textfile_dir) / name)
+    finally:
+        os.close(d)
     return removed

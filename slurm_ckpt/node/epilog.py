@@ -2,9 +2,11 @@
 
 Runs as root after the job ended; a requeued job stays COMPLETING until it
 returns, so the stage-out finishes before the job can start anywhere else.
-It never deletes the only copy of a checkpoint: when stage-out fails or runs
-out of time, scratch and its reservation are kept and the log says why, until
-``scratch.keep_failed`` is up. Removal is bounded by the epilog's own
+It never deletes the only copy of a checkpoint while it may keep it: when
+stage-out fails or runs out of time, scratch and its reservation are kept and
+the log says why, for a time counted from the job's size and the failure's
+cause, within the user's ``scratch.keep_per_user``, and only until another
+job needs the room. Removal is bounded by the epilog's own
 deadline: what is left goes to the graveyard, never to a drained node.
 Running it twice is harmless.
 """
@@ -16,20 +18,21 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from ..config import Config
+from ..config import Config, ScratchConfig, format_size
 from ..errors import ConfigError
 from ..fsinfo import cgroup_mount
 from ..store.layout import fast_dir
-from . import cgroup, graveyard, loopfs, quota
+from . import cgroup, graveyard, loopfs, mounts, quota
 from .hook import HookContext, load_context, setup_logging
 from .job import InvalidJob
-from .ledger import Ledger
+from .ledger import Ledger, kept_oldest_first
 from .report import JobReport, report_path
 from .scratch import open_state_dir
 from .stageout import StageLimits, StageResult, stage_out
 
-__all__ = ["run_epilog"]
+__all__ = ["keep_time", "run_epilog"]
 
 log = logging.getLogger("slurm_ckpt.node")
 
@@ -51,6 +54,11 @@ def run_epilog(env: Mapping[str, str] | None = None, cfg: Config | None = None) 
     except (ConfigError, InvalidJob) as e:
         log.error("epilog skipped: %s", e)
         return None
+    # First, as it is cheap: a few exact names, never a listing of the shared dir.
+    try:
+        _remove_metrics(ctx)
+    except Exception:
+        log.exception("epilog step _remove_metrics failed")
     base_fd = ctx.open_base()
     try:
         state_fd = open_state_dir(base_fd)
@@ -60,6 +68,11 @@ def run_epilog(env: Mapping[str, str] | None = None, cfg: Config | None = None) 
         except Exception:  # a bug here must not drain every node
             log.exception("epilog failed; scratch %s left in place", ctx.scratch)
             result = StageResult("failed", "epilog error")
+            try:  # kept, so it expires and yields to other jobs, rather than held for good
+                ledger.set_kept(ctx.job.job_id, "epilog error", ctx.job.restart_count,
+                                keep_time(ctx.cfg.scratch, 0, result))  # fmt: skip
+            except Exception:
+                log.exception("cannot mark the scratch of job %s kept", ctx.job.job_id)
         try:
             if graveyard.due(ledger.snapshot, state_fd, ctx.cfg.scratch.keep_failed):
                 graveyard.start_reaper(ctx)
@@ -69,11 +82,10 @@ def run_epilog(env: Mapping[str, str] | None = None, cfg: Config | None = None) 
             os.close(state_fd)
     finally:
         os.close(base_fd)
-    for step in (_remove_io_cgroup, _remove_metrics):
-        try:
-            step(ctx)
-        except Exception:
-            log.exception("epilog step %s failed", step.__name__)
+    try:
+        _remove_io_cgroup(ctx)
+    except Exception:
+        log.exception("epilog step _remove_io_cgroup failed")
     log.info("epilog done in %.0f ms: %s", ctx.deadline.elapsed_ms(), result)
     return result
 
@@ -81,9 +93,10 @@ def run_epilog(env: Mapping[str, str] | None = None, cfg: Config | None = None) 
 def _stage_and_clean(ctx: HookContext, base_fd: int, state_fd: int, ledger: Ledger) -> StageResult | None:
     job = ctx.job
     name = job.dir_name
-    try:
-        os.stat(name, dir_fd=base_fd, follow_symlinks=False)
-    except FileNotFoundError:
+    # Before anything looks into scratch: a user's FUSE mount there (a dead daemon, or
+    # one answering EIO or never) is detached, never followed.
+    mounts.detach_foreign(base_fd, name, ctx.deadline.left(CLEANUP_RESERVE) / 4)
+    if not mounts.exists(base_fd, name):
         # Already cleaned (a second run), or the job got no scratch.
         _remove_scratch(ctx, base_fd, state_fd, ledger)
         _remove_report(ctx)
@@ -95,17 +108,66 @@ def _stage_and_clean(ctx: HookContext, base_fd: int, state_fd: int, ledger: Ledg
         result = StageResult("none", "no ckpt dir in scratch")
     log.info("stage-out %s: %r", result.status, result.detail)
     _report_project_changes(ctx, base_fd)
-    if not result.scratch_disposable:
-        why = f"stage-out {result.status}: {result.detail}"
-        days = ctx.cfg.scratch.keep_failed / 86400
-        log.error("keeping scratch %s and its reservation for up to %.1f days (scratch.keep_failed): "
-                  "it may hold the only copy of a checkpoint (%r). Rerun the epilog or copy it by hand.",
-                  ctx.scratch, days, why[:2000])  # fmt: skip
-        ledger.set_kept(job.job_id, why[:500], job.restart_count)
+    if not result.scratch_disposable and _keep(ctx, base_fd, state_fd, ledger, result):
         return result
     _remove_scratch(ctx, base_fd, state_fd, ledger)
     _remove_report(ctx)
     return result
+
+
+def keep_time(cfg: ScratchConfig, size: int, result: StageResult) -> float:
+    """Seconds to keep the scratch of a job whose stage-out ended in ``result``.
+
+    ``scratch.keep_failed`` when the storage failed (slow, full, refused: the
+    checkpoint is likely good and an admin may copy it) for a job that
+    reserved at most ``default_size``; a seventh of it when the stage-out
+    failed on the job's own data (a checkpoint its user made unreadable);
+    shorter in proportion for a bigger reservation. Never under an hour.
+    """
+    own_data = result.status == "failed" and result.detail.startswith("unreadable checkpoint")
+    keep = float(cfg.keep_failed) / (7 if own_data else 1)
+    if size > cfg.default_size:
+        keep *= cfg.default_size / size
+    return max(min(3600.0, float(cfg.keep_failed)), keep)
+
+
+def _keep(ctx: HookContext, base_fd: int, state_fd: int, ledger: Ledger, result: StageResult) -> bool:
+    """Keep the job's scratch and reservation (it may hold the only copy of a checkpoint),
+    within the user's ``scratch.keep_per_user``; False when it must go anyway."""
+    job, sc = ctx.job, ctx.cfg.scratch
+    why = f"stage-out {result.status}: {result.detail}"
+    size = int(ledger.entries().get(job.job_id, {}).get("size", 0))
+    vfs = os.fstatvfs(base_fd)
+    cap = int(sc.keep_per_user) or vfs.f_blocks * vfs.f_frsize // 4
+    if size > cap:
+        log.error("not keeping scratch %s (%s): it is larger than the %s of kept scratch one user may hold "
+                  "(scratch.keep_per_user); removing it, and any checkpoint only there, now (%r)",
+                  ctx.scratch, format_size(size), format_size(cap), why[:2000])  # fmt: skip
+        return False
+
+    def over_cap(entries: dict[str, dict[str, Any]]) -> list[str]:
+        mine = [k for k in kept_oldest_first(entries, job.uid) if k != job.job_id]
+        total = size + sum(int(entries[k]["size"]) for k in mine)
+        out = []
+        for k in mine:
+            if total <= cap:
+                break
+            out.append(k)
+            total -= int(entries[k]["size"])
+        return out
+
+    def drop(key: str, entry: dict[str, Any]) -> str | None:
+        return graveyard.drop_kept(base_fd, state_fd, key, ctx.deadline.part(0.5, TAIL_RESERVE))
+
+    ledger.drop_kept(over_cap, drop, f"user {job.user} would hold more than scratch.keep_per_user "
+                     f"({format_size(cap)}) of kept scratch")  # fmt: skip
+    keep = keep_time(sc, size, result)
+    log.error("keeping scratch %s and its reservation for up to %.1f h (scratch.keep_failed, less for a big "
+              "reservation or a failure of the job's own data; sooner if another job needs the room): it may hold "
+              "the only copy of a checkpoint (%r). Rerun the epilog or copy it by hand.",
+              ctx.scratch, keep / 3600, why[:2000])  # fmt: skip
+    ledger.set_kept(job.job_id, why[:500], job.restart_count, keep)
+    return True
 
 
 def _remove_scratch(ctx: HookContext, base_fd: int, state_fd: int, ledger: Ledger) -> None:
@@ -231,6 +293,6 @@ def _remove_metrics(ctx: HookContext) -> None:
     from ..metrics import remove_job_textfiles
 
     try:
-        remove_job_textfiles(ctx.cfg.metrics.textfile_dir, ctx.job.job_id)
+        remove_job_textfiles(ctx.cfg.metrics.textfile_dir, ctx.job.job_id, until=ctx.deadline.end - TAIL_RESERVE)
     except OSError as e:
         log.warning("cannot remove the job's metrics files: %s", e)

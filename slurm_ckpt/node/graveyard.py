@@ -40,8 +40,8 @@ from .scratch import STATE_DIR, Removal, clear_dir
 if TYPE_CHECKING:
     from .hook import Deadline, HookContext
 
-__all__ = ["GRAVE_DIR", "bury", "clear", "due", "expire_kept", "open_grave", "reap", "set_aside_kept",
-           "start_reaper"]  # fmt: skip
+__all__ = ["GRAVE_DIR", "bury", "clear", "drop_kept", "due", "expire_kept", "open_grave", "reap",
+           "set_aside_kept", "start_reaper"]  # fmt: skip
 
 log = logging.getLogger("slurm_ckpt.node")
 
@@ -118,7 +118,8 @@ def clear(grave_fd: int, name: str, deadline: Deadline | None) -> Removal:
 
 
 def _expired(entry: Mapping[str, Any], keep_failed: float, now: float) -> bool:
-    return bool(entry.get("kept")) and now - float(entry.get("kept_since", now)) > keep_failed
+    keep = min(keep_failed, float(entry.get("keep_for", keep_failed)))
+    return bool(entry.get("kept")) and now - float(entry.get("kept_since", now)) > keep
 
 
 def _orphan(name: str, entries: Mapping[str, Any], now: float) -> bool:
@@ -150,9 +151,9 @@ def due(entries: Mapping[str, Mapping[str, Any]], state_fd: int, keep_failed: fl
         os.close(fd)
 
 
-def _release_image(base_fd: int, state_fd: int, name: str) -> str | None:
+def _release_image(base_fd: int, state_fd: int, name: str, timeout: float = _UMOUNT_TIMEOUT) -> str | None:
     """Unmount ``name``'s image; bury it if a process still holds it. Returns the grave, if any."""
-    held = loopfs.unmount_image(base_fd, state_fd, name, _UMOUNT_TIMEOUT)
+    held = loopfs.unmount_image(base_fd, state_fd, name, timeout)
     if held is None:
         return None
     os.close(held)
@@ -228,6 +229,28 @@ def expire_kept(base_fd: int, state_fd: int, ledger: Ledger, job_id: str, entry:
             clear(grave_fd, tree, None)  # the empty mount point the image was on
         finally:
             os.close(grave_fd)
+
+
+def drop_kept(base_fd: int, state_fd: int, key: str, deadline: Deadline) -> str | None:
+    """Remove the kept scratch under ledger key ``key`` now, within ``deadline``.
+
+    For a job that needs its room, or a user over ``scratch.keep_per_user``.
+    Returns None once its blocks are free, else the grave that still holds
+    them (an image a process holds, a tree too big for the deadline).
+    """
+    grave_fd = open_grave(state_fd)
+    try:
+        if key.startswith(GRAVE):  # set aside for the admin, already in the graveyard
+            name = key[len(GRAVE):]
+            return None if clear(grave_fd, name, deadline).done else name
+        name = job_dir_name(key)
+        image = _release_image(base_fd, state_fd, name, deadline.left())
+        tree = bury(base_fd, name, state_fd)
+        if tree is not None and clear(grave_fd, tree, deadline).done:
+            tree = None
+        return image or tree  # a tree left beside a held image is an orphan: the reaper's
+    finally:
+        os.close(grave_fd)
 
 
 def start_reaper(ctx: HookContext) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -15,7 +16,7 @@ from .escape import OneLineFormatter
 from .job import Job
 from .scratch import STATE_DIR, open_base
 
-__all__ = ["Deadline", "HookContext", "load_context", "setup_logging"]
+__all__ = ["WATCHDOG_ENV", "Deadline", "HookContext", "load_context", "setup_logging", "watchdog_margin"]
 
 log = logging.getLogger("slurm_ckpt.node")
 
@@ -97,4 +98,29 @@ def load_context(hook: str, env: Mapping[str, str] | None, cfg: Config | None,
     job = Job.from_env(env)
     setup_logging(hook, job.job_id)
     cfg = cfg or load_config(env=env)
-    return HookContext(cfg, job, Deadline(getattr(cfg.scratch, timeout_of)))
+    budget = float(getattr(cfg.scratch, timeout_of))
+    watchdog = _watchdog(os.environ if env is None else env)
+    if watchdog is not None and budget > watchdog - watchdog_margin(watchdog):
+        budget = max(1.0, watchdog - watchdog_margin(watchdog))
+        log.warning("scratch.%s is %.0fs but the shim's watchdog kills the hook at %.0fs: using %.1fs "
+                    "(raise the watchdog in hooks.env or lower scratch.%s)", timeout_of,
+                    getattr(cfg.scratch, timeout_of), watchdog, budget, timeout_of)  # fmt: skip
+    return HookContext(cfg, job, Deadline(budget))
+
+
+WATCHDOG_ENV = "SLURM_CKPT_HOOK_WATCHDOG"
+"""Seconds after which the shim kills the hook (exit 11, a drained node); the shim sets it."""
+
+
+def watchdog_margin(watchdog: float) -> float:
+    """Seconds a hook's deadline stays clear of the watchdog: the interpreter's start and exit,
+    and a step that overruns its share by a little."""
+    return 3.0 + 0.02 * watchdog
+
+
+def _watchdog(env: Mapping[str, str]) -> float | None:
+    try:
+        value = float(env.get(WATCHDOG_ENV, ""))
+    except ValueError:
+        return None
+    return value if value > 0 else None

@@ -22,7 +22,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,7 @@ from typing import Any
 from ..config import format_size
 from ..errors import LockHeld, StorageError, storage_error
 
-__all__ = ["GRAVE", "Grant", "Ledger"]
+__all__ = ["GRAVE", "LEAK", "Dropper", "Grant", "Ledger", "kept_oldest_first"]
 
 log = logging.getLogger("slurm_ckpt.node")
 
@@ -39,11 +39,31 @@ LEDGER = "ledger.json"
 LOCK = "ledger.lock"
 GRAVE = "grave/"
 """Key prefix of a reservation held by a graveyard entry."""
+LEAK = "leak/"
+"""Key prefix of space a loop device holds that no reservation names (``<device>:<inode>``)."""
 _MAX_LEDGER = 64 * 1024**2
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 Entries = dict[str, dict[str, Any]]
+Dropper = Callable[[str, dict[str, Any]], "str | None"]
+
+
+def _account_leaks(entries: Entries, leaked: Mapping[str, int]) -> None:
+    for key in [k for k in entries if k.startswith(LEAK) and k[len(LEAK):] not in leaked]:
+        log.info("leaked scratch %s is gone; its %s are free again", key, format_size(int(entries.pop(key)["size"])))
+    for name, size in leaked.items():
+        if LEAK + name not in entries:
+            log.warning("loop device %s holds %s of scratch that no reservation names (an image unlinked while "
+                        "still mounted somewhere); counted as taken until it lets go", name.split(":")[0],
+                        format_size(size))  # fmt: skip
+            entries[LEAK + name] = {"size": size, "since": time.time()}
+
+
+def kept_oldest_first(entries: Entries, uid: int | None = None) -> list[str]:
+    """Keys of kept scratch (of ``uid``, if given), the longest kept first."""
+    kept = [k for k, e in entries.items() if e.get("kept") and (uid is None or e.get("uid") == uid)]
+    return sorted(kept, key=lambda k: float(entries[k].get("kept_since", 0)))
 
 
 @dataclass(frozen=True)
@@ -178,7 +198,8 @@ class Ledger:
 
     def reserve(self, job_id: str, asked: int, *, uid: int, policy: str, min_size: int,
                 restarts: int = 0, alive: Callable[[str, dict[str, Any]], bool] | None = None,
-                set_aside: Callable[[str, dict[str, Any]], str | None] | None = None) -> Grant:  # fmt: skip
+                set_aside: Callable[[str, dict[str, Any]], str | None] | None = None,
+                drop: Dropper | None = None, leaked: Mapping[str, int] | None = None) -> Grant:  # fmt: skip
         """Reserve ``asked`` bytes for ``job_id``, or less under ``policy``.
 
         A job that already holds a reservation (requeued onto the same node,
@@ -189,6 +210,12 @@ class Ledger:
         scratch out of the way: its reservation lives on as ``grave/<name>``.
         ``alive(key, entry) -> bool`` lets the caller drop entries whose
         scratch no longer exists (a node that crashed before its epilog).
+        ``leaked`` (``{name: bytes}``, from :func:`loopfs.leaked`) replaces the
+        ``leak/`` entries: space no reservation names but a loop device still
+        holds, counted as taken until it is gone.
+        When the rest is too little, ``drop(key, entry)`` removes kept
+        scratch of other jobs, the oldest first, until it is enough (see
+        :meth:`drop_kept` for what it returns).
         """
         with self._locked() as entries:
             old = entries.get(job_id)
@@ -203,12 +230,20 @@ class Ledger:
                 if old.pop("kept", None) is not None:  # adopted by its job's next run
                     old.pop("kept_since", None)
                 return Grant(asked, int(old["size"]))
+            if leaked is not None:
+                _account_leaks(entries, leaked)
             if alive is not None:
-                for stale in [k for k, e in entries.items() if not alive(k, e)]:
+                for stale in [k for k, e in entries.items() if not alive(k, e) and not k.startswith(LEAK)]:
                     log.warning("dropping stale scratch reservation %s", stale)
                     del entries[stale]
             held = sum(int(e["size"]) for e in entries.values())
             free = max(0, self.capacity - self.headroom - held)
+            if asked > free and drop is not None:
+                # Kept scratch yields to a job that needs the room, the oldest first.
+                for key in kept_oldest_first(entries):
+                    if free >= asked:
+                        break
+                    free += self._drop(entries, key, drop, f"job {job_id} needs the room")
             size, warning = asked, None
             if asked > free:
                 size = free if policy == "shrink" and free >= min_size else 0
@@ -223,18 +258,51 @@ class Ledger:
                 entries[job_id] = {"size": size, "asked": asked, "uid": uid, "since": time.time()}
             return Grant(asked, size, warning)
 
-    def set_kept(self, job_id: str, reason: str, restarts: int) -> None:
-        """Mark a reservation whose scratch the epilog had to keep (the only copy).
+    def set_kept(self, job_id: str, reason: str, restarts: int, keep_for: float | None = None) -> None:
+        """Mark a reservation whose scratch the epilog had to keep (the only copy), for
+        ``keep_for`` seconds (else ``scratch.keep_failed``).
 
-        The clock of ``scratch.keep_failed`` starts at the first keep; a rerun
-        of the epilog that fails again does not restart it.
+        The clock starts at the first keep; a rerun of the epilog that fails
+        again does not restart it.
         """
         with self._locked() as entries:
             if job_id in entries:
                 e = entries[job_id]
                 e["kept"] = reason
                 e["restarts"] = restarts
+                if keep_for is not None:
+                    e["keep_for"] = min(float(keep_for), float(e.get("keep_for", keep_for)))
                 e.setdefault("kept_since", time.time())
+
+    def drop_kept(self, pick: Callable[[Entries], list[str]], drop: Dropper, why: str) -> int:
+        """Drop the kept scratch ``pick(entries)`` names, in its order; return the bytes freed.
+
+        ``drop(key, entry)`` removes one (under this ledger's lock, so no
+        hook adopts it meanwhile) and returns None once its space is free,
+        or the name of the grave that still holds it (a busy image, a tree
+        too big to remove now), which keeps the reservation until the reaper
+        has removed it.
+        """
+        with self._locked() as entries:
+            return sum(self._drop(entries, key, drop, why) for key in pick(entries) if key in entries)
+
+    @staticmethod
+    def _drop(entries: Entries, key: str, drop: Dropper, why: str) -> int:
+        entry = entries.pop(key)
+        since = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(entry.get("kept_since", 0))))
+        log.warning("dropping kept scratch %s (uid %s, %s, kept since %s because %s): %s", key, entry.get("uid"),
+                    format_size(int(entry["size"])), since, str(entry.get("kept"))[:300], why)  # fmt: skip
+        try:
+            grave = drop(key, entry)
+        except OSError as e:
+            log.error("cannot drop kept scratch %s: %s", key, e)
+            entries[key] = entry
+            return 0
+        if grave is None:
+            return int(entry["size"])
+        rest = {k: v for k, v in entry.items() if k not in ("kept", "kept_since", "keep_for")}
+        entries[GRAVE + grave] = dict(rest, job=entry.get("job", key), since=time.time())
+        return 0
 
     def bury(self, job_id: str, grave: str, **extra: Any) -> None:
         """Hand ``job_id``'s reservation to the graveyard entry ``grave`` (held until it is gone)."""

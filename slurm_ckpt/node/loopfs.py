@@ -22,11 +22,11 @@ import os
 import stat
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from ..errors import StorageError, storage_error
-from . import commands
+from . import commands, mounts
 from .rootdir import open_private_subdir
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ __all__ = [
     "IMAGE_DIR",
     "attached",
     "is_mount_point",
+    "leaked",
     "mkfs_argv",
     "mount_image",
     "open_image_dir",
@@ -74,12 +75,22 @@ _RELEASE_WAIT = 2.0
 
 
 def is_mount_point(base_fd: int, name: str) -> bool:
-    """True if ``<base>/<name>`` is a directory on another filesystem than the base."""
+    """True if ``<base>/<name>`` is on another mount than the base.
+
+    By mount id through an ``O_PATH`` fd: a stat would ask the filesystem
+    mounted there, which may be a user's FUSE mount that never answers.
+    """
     try:
-        st = os.stat(name, dir_fd=base_fd, follow_symlinks=False)
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=base_fd)
     except FileNotFoundError:
         return False
-    return st.st_dev != os.fstat(base_fd).st_dev
+    try:
+        mine, base = mounts.mount_id(fd), mounts.mount_id(base_fd)
+        if mine is None or base is None:
+            return os.fstat(fd).st_dev != os.fstat(base_fd).st_dev
+        return mine != base
+    finally:
+        os.close(fd)
 
 
 def open_image_dir(state_fd: int) -> int:
@@ -234,10 +245,15 @@ def _loop_device(image_fd: int) -> Iterator[str]:
 def attached(fd: int) -> bool:
     """Whether any loop device still holds the file ``fd`` (a lazily detached image)."""
     st = os.fstat(fd)
+    return any((dev, ino) == (st.st_dev, st.st_ino) for _, dev, ino, _ in _bound())
+
+
+def _bound() -> Iterator[tuple[str, int, int, int]]:
+    """``(name, backing st_dev, backing inode, bytes)`` of every bound loop device."""
     try:
         names = [n for n in os.listdir("/sys/block") if n.startswith("loop")]
     except OSError:
-        return False
+        return
     for n in names:
         if not os.path.exists(f"/sys/block/{n}/loop"):
             continue  # not bound
@@ -247,11 +263,53 @@ def attached(fd: int) -> bool:
             continue
         try:
             info = _INFO.unpack(fcntl.ioctl(dev, _LOOP_GET_STATUS64, bytes(_INFO.size)))
-        except OSError:
+            with open(f"/sys/block/{n}/size", "rb") as f:
+                size = int(f.read()) * 512
+        except (OSError, ValueError):
             continue
         finally:
             os.close(dev)
-        if (info[0], info[1]) == (st.st_dev, st.st_ino):
+        yield n, info[0], info[1], size
+
+
+def leaked(base_fd: int, known: Callable[[], set[int]]) -> dict[str, int]:
+    """Loop devices backed by a file on the scratch base's filesystem whose inode is not in
+    ``known()`` (the images the ledger holds): ``{"<device>:<inode>": bytes}``.
+
+    An image unlinked while a device still held it (a user's own mount
+    namespace kept its filesystem mounted) has no name and no ledger entry,
+    but its blocks are taken until the device lets go. ``known`` is called
+    after the devices are listed: an image is named before its device is
+    bound, so one a prolog is making meanwhile is never taken for a leak.
+    """
+    base_dev = os.fstat(base_fd).st_dev
+    ours = [(n, ino, size) for n, dev, ino, size in _bound() if dev == base_dev]
+    if not ours:
+        return {}
+    names = known()
+    return {f"{n}:{ino}": size for n, ino, size in ours if ino not in names}
+
+
+def _mounted_elsewhere(fd: int) -> bool:
+    """Whether a filesystem on a loop device of the image ``fd`` is still mounted anywhere.
+
+    The filesystem's entry in /sys/fs lives as long as it is mounted, in
+    whatever mount namespace. Read from sysfs, never by opening the device:
+    the last close of a device whose mount is gone would make this wait for
+    its autoclear.
+    """
+    path = os.readlink(f"/proc/self/fd/{fd}")
+    try:
+        names = [n for n in os.listdir("/sys/block") if n.startswith("loop")]
+    except OSError:
+        return False
+    for n in names:
+        try:
+            with open(f"/sys/block/{n}/loop/backing_file", "rb") as f:
+                backing = os.fsdecode(f.read().rstrip(b"\n"))
+        except OSError:
+            continue  # not bound
+        if backing == path and any(os.path.exists(f"/sys/fs/{t}/{n}") for t in _MKFS):
             return True
     return False
 
@@ -259,10 +317,12 @@ def attached(fd: int) -> bool:
 def _held(fd: int, wait: float) -> bool:
     """Whether a loop device still holds the image ``fd`` after ``wait`` seconds."""
     end = time.monotonic() + wait
+    pause = 0.002
     while attached(fd):
         if time.monotonic() >= end:
             return True
-        time.sleep(0.05)  # autoclear runs in the kernel's own time; nothing to wait on but polling
+        time.sleep(pause)  # autoclear runs in the kernel's own time; nothing to wait on but polling
+        pause = min(pause * 2, 0.05)
     return False
 
 
@@ -276,6 +336,9 @@ def unmount_image(base_fd: int, state_fd: int, name: str, timeout: float, delete
     reservation) in the graveyard until :func:`attached` says no more.
     ``delete=False`` unmounts and leaves the image where it is.
     """
+    # A user's own mounts on or in the job dir go first: a umount by path would take the
+    # top one only, and the loop filesystem under it would stay.
+    mounts.detach_foreign(base_fd, name, timeout)
     mounted, lazy = is_mount_point(base_fd, name), False
     if mounted:
         # By name under the root-owned base, which no user can change; not by an
@@ -296,13 +359,15 @@ def unmount_image(base_fd: int, state_fd: int, name: str, timeout: float, delete
                          dir_fd=img_dir)  # fmt: skip
         except FileNotFoundError:
             return None
-        # Unmounted for real just now: the loop device lets go of the image as
-        # it clears itself, a moment later; detached lazily (now or by an
-        # earlier epilog): the blocks live on while anyone holds a file in it.
-        # What made the real unmount fail may have been only mounts inside (a
-        # user's dead FUSE mount), which the lazy detach took along: then the
-        # device lets go within moments too.
-        if (lazy and _held(fd, min(timeout, _RELEASE_WAIT))) or (not mounted and attached(fd)):
+        # Unmounted just now: the loop device lets go of the image as it
+        # clears itself, a moment later, unless the filesystem is still
+        # mounted elsewhere: in a mount namespace of the user's (unshare -Urm
+        # with its cwd inside), where our umount does not reach, or, after a
+        # lazy detach, while anyone holds a file in it. Its blocks are taken
+        # until then, whatever the image's name says.
+        if (lazy and _held(fd, min(timeout, _RELEASE_WAIT))) or (not lazy and _mounted_elsewhere(fd)):
+            log.warning("the loop device of %s still holds its image (mounted in another mount namespace, "
+                        "or a file in it held open): it stays reserved until the device lets go", name)  # fmt: skip
             return fd
         os.close(fd)
         if delete:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from typing import Any
 from ..config import Config, IOLimits, format_size, job_dir_name
 from ..errors import ConfigError, StorageError, storage_error
 from ..fsinfo import block_device, cgroup_mount, mount_of, set_project
-from . import cgroup, commands, graveyard, loopfs, quota
+from . import cgroup, commands, graveyard, loopfs, mounts, quota
 from .hook import HookContext, load_context, setup_logging
 from .job import InvalidJob, comment_size
 from .ledger import GRAVE, Ledger
@@ -80,6 +81,8 @@ def _prepare(ctx: HookContext, base_fd: int, state_fd: int) -> JobReport:
     asked = comment_size(job, "ckpt_scratch", report.warnings) or sc.default_size
     want = _capped(asked, sc.default_size, sc.max_size, max(0, capacity - sc.headroom), report.warnings)
     ledger = Ledger(ctx.state_dir, capacity, sc.headroom)
+    # A mount left on this job's name (a kept scratch's, a reused id's) is detached, never followed.
+    mounts.detach_foreign(base_fd, job.dir_name, ctx.deadline.left(2.0) / 4)
 
     def alive(key: str, entry: dict[str, Any]) -> bool:
         if key.startswith(GRAVE):  # held until the reaper has removed it
@@ -92,8 +95,12 @@ def _prepare(ctx: HookContext, base_fd: int, state_fd: int) -> JobReport:
         # The id came back for another job: the old job's kept scratch is not this one's.
         return graveyard.set_aside_kept(base_fd, state_fd, job_dir_name(job_id))
 
+    def drop(key: str, entry: dict[str, Any]) -> str | None:
+        return graveyard.drop_kept(base_fd, state_fd, key, ctx.deadline.part(0.25, 2.0))
+
     grant = ledger.reserve(job.job_id, want, uid=job.uid, policy=sc.over_reserve, min_size=sc.min_size,
-                           restarts=job.restart_count, alive=alive, set_aside=set_aside)  # fmt: skip
+                           restarts=job.restart_count, alive=alive, set_aside=set_aside, drop=drop,
+                           leaked=loopfs.leaked(base_fd, lambda: _image_inodes(state_fd)))  # fmt: skip
     report.asked, report.size = asked, grant.size
     if grant.warning:
         report.warnings.append(grant.warning)
@@ -133,12 +140,25 @@ def _capped(asked: int, default: int, max_size: int, reservable: int, warnings: 
     return asked
 
 
+def _image_inodes(state_fd: int) -> set[int]:
+    """Inodes of the images the ledger accounts for: in the image dir and the graveyard."""
+    out: set[int] = set()
+    for sub in (loopfs.IMAGE_DIR, graveyard.GRAVE_DIR):
+        try:
+            fd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=state_fd)
+        except OSError:
+            continue
+        try:
+            with os.scandir(fd) as it:
+                out.update(e.inode() for e in itertools.islice(it, 100_000))
+        finally:
+            os.close(fd)
+    return out
+
+
 def _exists(name: str, dir_fd: int) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return True
+    # Not a stat: another job's dir may carry its user's FUSE mount, dead or answering EIO.
+    return mounts.exists(dir_fd, name)
 
 
 def _write_report(ctx: HookContext, report: JobReport, base_fd: int, state_fd: int) -> None:

@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("mountpoint")
     ap.add_argument("--control", required=True, help="unix socket path for rule changes")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--option", action="append", default=[], help="a FUSE mount option (allow_other, nonempty)")
     args = ap.parse_args()
     # mfusepy logs every errno it returns; injected faults would flood the log.
     logging.basicConfig(level=logging.ERROR)
@@ -36,8 +37,9 @@ def main() -> None:
     if args.seed is not None:
         inj.rng.seed(args.seed)
     serve_control(args.control, inj)
+    extra: dict[str, object] = dict(o.split("=", 1) if "=" in o else (o, True) for o in args.option)
     _FUSE(FaultOps(args.root, inj), args.mountpoint, foreground=True,
-          fsname="faultfs", subtype="faultfs")  # fmt: skip
+          fsname="faultfs", subtype="faultfs", **extra)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -66,6 +66,8 @@ class FaultFS:
     root: Path
     mnt: Path
     sock: Path
+    pid: int = 0
+    """The daemon's process id (kill it to leave a mount with a dead daemon)."""
 
     def _call(self, req: dict[str, Any]) -> dict[str, Any]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

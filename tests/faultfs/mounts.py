@@ -48,15 +48,26 @@ def _umount(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def mount_faultfs(root: Path, mnt: Path, sock: Path, *, timeout: float = 30.0) -> Iterator[FaultFS]:
-    """Mount the fault fs of ``root`` on ``mnt``; yields a :class:`FaultFS` handle."""
+def mount_faultfs(root: Path, mnt: Path, sock: Path, *, timeout: float = 30.0, uid: int | None = None,
+                  gid: int | None = None, options: tuple[str, ...] = ()) -> Iterator[FaultFS]:  # fmt: skip
+    """Mount the fault fs of ``root`` on ``mnt``; yields a :class:`FaultFS` handle.
+
+    With ``uid``, the daemon runs as that user and mounts through the setuid
+    ``fusermount3``, as an ordinary user's would; ``root`` and the dir of
+    ``sock`` must then be the user's. ``options`` are FUSE mount options:
+    ``allow_other`` lets other users (root too) in, which an ordinary user
+    may set only with ``user_allow_other`` in /etc/fuse.conf; ``nonempty``
+    mounts over a dir with files in it; ``attr_timeout=0`` sends every stat to the daemon.
+    """
     root.mkdir(parents=True, exist_ok=True)
     mnt.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = open(sock.with_suffix(".log"), "w+b")  # noqa: SIM115 - closed in finally
+    user = {"user": uid, "group": gid, "extra_groups": []} if uid is not None else {}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.faultfs", str(root), str(mnt), "--control", str(sock)],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [sys.executable, "-m", "tests.faultfs", str(root), str(mnt), "--control", str(sock),
+         *(f"--option={o}" for o in options)],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **user,  # type: ignore[call-overload]
     )  # fmt: skip
     try:
         deadline = time.monotonic() + timeout
@@ -67,7 +78,7 @@ def mount_faultfs(root: Path, mnt: Path, sock: Path, *, timeout: float = 30.0) -
             if time.monotonic() > deadline:
                 raise TimeoutError(f"faultfs did not mount {mnt} within {timeout}s")
             time.sleep(0.02)
-        fs = FaultFS(root=root, mnt=mnt, sock=sock)
+        fs = FaultFS(root=root, mnt=mnt, sock=sock, pid=proc.pid)
         fs.clear()
         yield fs
     finally:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import pwd
 import secrets
-import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 
 from tests import machine
 from tests.faultfs.fixtures import fault_dir, faultfs  # noqa: F401 - fixtures
-from tests.node.helpers import User, need_root, sh
+from tests.node.helpers import User, need_root, remove_tree, sh
 
 
 def _make_user() -> Iterator[User]:
@@ -55,16 +54,15 @@ def pub_tmp() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="sckt-", dir="/tmp"))
     path.chmod(0o755)
     yield path
-    _unmount_under(path)  # scratch a failed test left mounted (a kept loop image)
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tree(path)  # unmounts first what a failed test left mounted (a kept loop image)
 
 
 def _unmount_under(path: Path) -> None:
     """Unmount everything mounted below ``path`` (per-job scratch images), innermost first."""
-    for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
-        point = line.split(" ")[4]
-        if point.startswith(str(path) + "/"):
-            _unmount(Path(point))
+    from slurm_ckpt.node.mounts import table
+
+    for point in reversed([m.point for m in table() if m.point.startswith(str(path) + "/")]):
+        _unmount(Path(point))
 
 
 @pytest.fixture

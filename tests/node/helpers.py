@@ -206,3 +206,62 @@ def run_hook(hook: str, env: dict[str, str], config: Path, log: Path) -> int:
         return subprocess.run([str(Path(sys.executable).with_name("slurm-ckpt")), "node", hook], cwd="/",
                               env={**env, "SLURM_CKPT_CONFIG": str(config)}, stdout=f, stderr=f,
                               timeout=120).returncode  # fmt: skip
+
+
+_FUSERMOUNT = r"""
+import array, os, socket, subprocess, sys
+parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+env = {"PATH": "/usr/bin:/bin", "_FUSE_COMMFD": str(child.fileno())}
+p = subprocess.run(["fusermount3", "-o", "nonempty,fsname=" + sys.argv[2], "--", sys.argv[1]], env=env,
+                   pass_fds=(child.fileno(),), capture_output=True, text=True)
+if p.returncode:
+    sys.exit("fusermount3: " + p.stderr)
+fds = array.array("i")
+_, anc, _, _ = parent.recvmsg(1, socket.CMSG_LEN(fds.itemsize))
+print("mounted")
+"""
+
+
+@contextlib.contextmanager
+def dead_fuse_of(user: User, path: Path) -> Iterator[str]:
+    """A FUSE mount of ``user`` on ``path`` whose daemon is gone, as a job's FUSE daemon is once
+    the job ended; the mount stays. Yields how it was made.
+
+    Made by the user themselves through the setuid fusermount3 where ordinary users may open
+    /dev/fuse (the usual mode 0666); where the node keeps /dev/fuse root's alone, no user
+    can mount FUSE, and root makes the same mount fusermount3 would (``user_id`` the user's).
+    """
+    if os.stat("/dev/fuse").st_mode & 0o006 == 0o006:
+        p = user.run("/usr/bin/python3", "-c", _FUSERMOUNT, str(path), f"fuse-of-{user.name}", check=False)
+        assert p.returncode == 0 and p.stdout.strip() == "mounted", p.stderr
+        try:
+            yield "fusermount3 as the user"
+        finally:
+            sh("umount", "-l", str(path), check=False)
+    else:
+        with fuse_of(user, path, hung=False):
+            yield "root, for the user (/dev/fuse is root's alone here)"
+
+
+def remove_tree(path: Path) -> None:
+    """Unmount everything below ``path`` (innermost first; lazily if busy), then remove it.
+
+    Never walks a tree through a mount: a kept loop image or a user's FUSE
+    mount left below would have its files deleted. Mount points come from
+    mountinfo, unescaped (a name with a space is written there as ``\\040``);
+    if any is still mounted after that, the tree is left and this raises.
+    """
+    import shutil
+
+    from slurm_ckpt.node.mounts import table
+
+    def below() -> list[str]:
+        return [m.point for m in table() if m.point.startswith(str(path) + "/")]
+
+    for point in reversed(below()):
+        if sh("umount", "--no-canonicalize", point, check=False).returncode:
+            sh("umount", "--no-canonicalize", "-l", point, check=False)
+    left = below()
+    if left:
+        raise RuntimeError(f"not removing {path}: still mounted below it: {left}")
+    shutil.rmtree(path, ignore_errors=True)
