@@ -179,3 +179,16 @@ def run_hook(hook: str, env: dict[str, str], config: Path, log: Path) -> int:
         return subprocess.run([str(Path(sys.executable).with_name("slurm-ckpt")), "node", hook], cwd="/",
                               env={**env, "SLURM_CKPT_CONFIG": str(config)}, stdout=f, stderr=f,
                               timeout=120).returncode  # fmt: skip
+
+
+def install_hooks(dest: Path, config: Path, bin_: Path) -> Path:
+    """The shims installed into ``dest`` with scripts/install-hooks.sh, as the README says; the log in ``dest``."""
+    repo = Path(__file__).resolve().parents[2]
+    sh("bash", str(repo / "scripts" / "install-hooks.sh"), "--dest", str(dest), "--bin", str(bin_),
+       "--config", str(config), "--log", str(dest / "hooks.log"))  # fmt: skip
+    return dest
+
+
+def run_shim(shim: Path, env: dict[str, str]) -> int:
+    """A shim as slurmd runs it: root, ``env -i`` but for the job's variables, no PATH."""
+    return subprocess.run([str(shim)], env=env, capture_output=True, timeout=120, cwd="/").returncode
