@@ -11,15 +11,9 @@ filesystem than scratch. It is opened one name at a time from the root with
 check, cannot send the copy elsewhere.
 
 Each dir on the way, the root included, must belong to the job's user or
-to root, and no other user may write in it, or the stage-out refuses: in a
-world-writable root another user can create ``<root>/<user>/job_<id>``
-first and plant a newer checkpoint there, which the stage-out would take
-for an up-to-date copy before deleting scratch. A root-owned dir with the
-sticky bit (mode 1777) may be world-writable on the way, as ``/tmp`` is:
-there, no one can rename or delete what another user made. The run dir
-itself may not, and every dir below the root must be on the root's
-filesystem, so that a mount planted on the way (a user's FUSE) is no
-destination either.
+to root, and no other user may write in it (see :mod:`slurm_ckpt.store.owner`),
+or the stage-out refuses. The run dir must be on the root's filesystem, so
+that a mount planted on the way (a user's FUSE) is no destination either.
 """
 
 from __future__ import annotations
@@ -27,12 +21,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import stat
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Destination", "open_destination", "untrusted"]
+from ..store.owner import untrusted
+
+__all__ = ["Destination", "open_destination"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -63,22 +58,6 @@ def _below(path: str, prefix: str) -> list[str] | None:
         return []
     head = prefix.rstrip("/") + "/"
     return [n for n in path[len(head) :].split("/") if n] if path.startswith(head) else None
-
-
-def untrusted(st: os.stat_result, uid: int, *, last: bool) -> str | None:
-    """Why a durable dir with status ``st`` cannot be trusted by user ``uid``, or None.
-
-    It must belong to ``uid`` or root, and be writable by its owner alone;
-    ``last=False`` (a dir on the way, not the run dir) also allows a
-    root-owned sticky dir writable by all.
-    """
-    if st.st_uid not in (uid, 0):
-        return (f"is owned by uid {st.st_uid}, not by the job's user (uid {uid}) or root: another user may "
-                "have made it first; have it removed, or give the job a SLURM_CKPT_DIR of its own")  # fmt: skip
-    if st.st_mode & 0o022 and not (not last and st.st_uid == 0 and st.st_mode & stat.S_ISVTX):
-        return (f"is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}): "
-                "chmod go-w it (or, for a shared root, chmod 1777 it)")  # fmt: skip
-    return None
 
 
 def open_destination(

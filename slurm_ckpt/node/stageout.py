@@ -214,7 +214,7 @@ def _shown(res: StageResult, dest: Destination, refused: str) -> StageResult:
 
 def _foreign(step: Path) -> str | None:
     """Why a durable checkpoint cannot count as the user's own, or None."""
-    from .destination import untrusted
+    from ..store.owner import untrusted
 
     return untrusted(os.lstat(step), os.geteuid(), last=True)
 
