@@ -234,6 +234,11 @@ def test_a_run_dir_squatted_by_another_user_is_refused_and_scratch_kept(
     assert f"owned by uid {other_user.uid}, not by the job's user" in log or "writable by other users" in log, log
     assert "stage-out failed" in log and "up-to-date" not in log
     assert mine.is_dir()  # scratch kept: it holds the only copy of the user's checkpoint
+    if where != "step":
+        # The job's next run, on any node, does not resume the other user's state either.
+        run = user.run(sys.executable, "-c", "from slurm_ckpt import Checkpointer; Checkpointer()", check=False,
+                       env={"SLURM_JOB_ID": "71", "SLURM_CKPT_CONFIG": str(pub_tmp / "config.yaml")})  # fmt: skip
+        assert run.returncode != 0 and f"will not use run dir {squat}" in run.stderr, run.stderr
 
 
 def _private_interpreter(where: Path) -> Path:
@@ -278,3 +283,32 @@ def test_the_stage_out_runs_from_an_installation_the_user_cannot_read(
         assert not (scratch_base / "job_72").exists()
     finally:
         shutil.rmtree(private, ignore_errors=True)
+
+
+def _doctor_owners(path: Path, config: Path) -> list[dict[str, Any]]:
+    import json
+    import subprocess
+
+    r = subprocess.run([str(BIN), "doctor", str(path), "--json", "--probe-size", "1M", "--probe-seconds", "1"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "SLURM_CKPT_CONFIG": str(config), "SLURM_CONF": "/nonexistent"})  # fmt: skip
+    return [f for f in json.loads(r.stdout)["findings"] if f["check"] == "owners"]
+
+
+def test_doctor_flags_a_root_open_to_all_and_a_squatted_per_user_dir(
+    pub_tmp: Path, scratch_base: Path, user: User, other_user: User
+) -> None:
+    root = pub_tmp / "shared"
+    root.mkdir()
+    config = write_config(pub_tmp / "config.yaml", scratch_base, root)
+    owned_tree(root / other_user.name, other_user)
+    (root / other_user.name).chmod(0o700)
+    root.chmod(0o1777)
+    assert [f["severity"] for f in _doctor_owners(root, config)] == ["ok"]
+    root.chmod(0o777)
+    other_user.run("mkdir", str(root / user.name))  # squatted: named after user, made by other_user
+    found = _doctor_owners(root / user.name / "job_1", config)
+    errors = [f["message"] for f in found if f["severity"] == "error"]
+    assert any("writable by every user without the sticky bit" in m for m in errors), found
+    assert any(f"per-user dir {root / user.name} is owned by uid {other_user.uid}" in m for m in errors), found
+    assert any(m.startswith("the run dir cannot be used") for m in errors), found
