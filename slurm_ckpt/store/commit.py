@@ -84,6 +84,8 @@ def commit(
     """
     final = parent / name if name is not None else step_dir(parent, step)
     tmp = into if into is not None else tmp_dir_for(parent, final.name)
+    if tmp.parent != parent:
+        raise ValueError(f"commit into {tmp}: not a dir of {parent}, where it is renamed to {final.name}")
     with _in_flight_lock:
         _in_flight.add(tmp)
     try:
