@@ -57,6 +57,10 @@ def node_memory(pub_tmp: Path) -> Iterator[Path]:
 
 def _before(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, attack: Callable[[], None]) -> None:
     """Run ``attack`` (in the stage-out child, as the user) once, before ``module.name`` runs."""
+    # Modules that bind the name at import (the shard staging's copy_files) must bind the real
+    # one: the stage-out imports them during the test, and they would keep the hook for good.
+    import slurm_ckpt.store.shards.staging  # noqa: F401
+
     real = getattr(module, name)
     done: list[bool] = []
 
