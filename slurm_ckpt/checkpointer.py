@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -13,7 +15,7 @@ from .config import Config, load_config
 from .control import Control
 from .engine import Engine, SaveHandle, SaveJob
 from .engine.handle import start_save, take_error
-from .errors import ConfigError
+from .errors import ConfigError, StorageError
 from .metrics import Metrics
 from .placement import choose
 from .ranks import rank_info
@@ -60,6 +62,7 @@ class Checkpointer:
     ) -> None:
         self.config = config or load_config()
         self.run_dir = RunDir(Path(dir) if dir else default_run_dir(self.config), lock_timeout=lock_timeout)
+        _check_owned(self.run_dir.path, self.config)
         self.keep = keep if keep is not None else self.config.storage.keep
         self.allow_pickle = self.config.storage.allow_pickle if allow_pickle is None else allow_pickle
         self.control = Control()
@@ -385,3 +388,15 @@ class Checkpointer:
 def _meta(job: SaveJob | ShardJob) -> dict[str, Any]:
     """Manifest fields a job adds: those that make a DTensor state's checkpoint chunked."""
     return {"extra": job.extra} if isinstance(job, ShardJob) else {}
+
+
+def _check_owned(run_dir: Path, config: Config) -> None:
+    """Refuse a run dir under ``storage.root`` that another user made or can write in: its
+    checkpoints could be theirs (see ``store/owner.py``)."""
+    if not config.storage.root:
+        return
+    from .store.owner import untrusted_below
+
+    why = untrusted_below(Path(config.storage.root), run_dir, os.geteuid())
+    if why:
+        raise StorageError(errno.EPERM, f"will not use run dir {run_dir}", run_dir, hint=why)

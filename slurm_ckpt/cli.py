@@ -223,8 +223,8 @@ def doctor(
     """Diagnose checkpoint storage and the Slurm setup; exit 0 ok, 6 warnings, 7 errors.
 
     PATH defaults to the run dir. Checks write+fsync bandwidth and latency, free
-    space and inodes, mount type and options, quota, page-cache settings,
-    slurm.conf, the signal lead time against checkpoint size, and cgroup io limits.
+    space and inodes, mount type and options, quota, page-cache settings, who can
+    write in storage.root and its per-user dirs, slurm.conf, the signal lead time against checkpoint size, and cgroup io limits.
     """
     from ._env import default_run_dir
     from .config import parse_size
@@ -233,7 +233,8 @@ def doctor(
     cfg = load_config()
     report = run_doctor(path or default_run_dir(cfg), slurm_conf=slurm_conf, lead_time=lead_time,
                         ckpt_size=parse_size(ckpt_size) if ckpt_size else None, keep=cfg.storage.keep,
-                        probe_bytes=parse_size(probe_size), probe_seconds=probe_seconds)  # fmt: skip
+                        probe_bytes=parse_size(probe_size), probe_seconds=probe_seconds,
+                        storage_root=cfg.storage.root)  # fmt: skip
     click.echo(report.to_json() if as_json else report.to_text())
     worst = report.worst
     if worst >= Severity.ERROR:

@@ -107,8 +107,8 @@ class StorageError(SlurmCkptError, OSError):
     Carries ``errno``, ``filename`` (the path) and ``hint`` (what to do).
     """
 
-    def __init__(self, err: int, message: str, path: str | os.PathLike[str] | None = None):
-        self.hint = _HINTS.get(err, "run `slurm-ckpt doctor` on the run dir")
+    def __init__(self, err: int, message: str, path: str | os.PathLike[str] | None = None, hint: str | None = None):
+        self.hint = hint or _HINTS.get(err, "run `slurm-ckpt doctor` on the run dir")
         super().__init__(err, f"{message}: {os.strerror(err)}; {self.hint}")
         self.filename = None if path is None else os.fspath(path)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from .cgroupio import check_cgroup_io
 from .finding import Context, Finding, Report, Severity
 from .mounts import check_mount
+from .owners import check_owners
 from .pagecache import check_pagecache
 from .probe import check_probe
 from .quota import check_quota
@@ -51,8 +52,10 @@ def run_doctor(
     keep: int = 3,
     probe_bytes: int = 128 << 20,
     probe_seconds: float = 5.0,
+    storage_root: str = "",
 ) -> Report:
-    """Run every check on ``path`` (a run dir, or where run dirs will go)."""
+    """Run every check on ``path`` (a run dir, or where run dirs will go); ``storage_root``:
+    the config's, whose per-user dirs are checked too."""
     p = Path(path)
     ctx = Context(path=p, probe_dir=_existing(p), keep=keep,
                   lead_time=lead_time if lead_time is not None else 120.0,
@@ -66,6 +69,7 @@ def run_doctor(
     ctx.ckpt_size = ckpt_size or _latest_size(ctx.probe_dir)
     mount = check_mount(report, ctx)
     check_space(report, ctx)
+    check_owners(report, ctx, storage_root)
     check_quota(report, ctx, mount)
     res = check_probe(report, ctx.probe_dir, probe_bytes, probe_seconds)
     ctx.bandwidth = res.bandwidth if res.error is None else 0.0

@@ -9,6 +9,11 @@ filesystem than scratch. It is opened one name at a time from the root with
 ``O_NOFOLLOW``, as the job's user, and then used only through its fd
 (``/proc/self/fd/N``): a link planted on the way, or swapped in after the
 check, cannot send the copy elsewhere.
+
+Each dir on the way, the root included, must belong to the job's user or
+to root, and no other user may write in it (see :mod:`slurm_ckpt.store.owner`),
+or the stage-out refuses. The run dir must be on the root's filesystem, so
+that a mount planted on the way (a user's FUSE) is no destination either.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..store.owner import untrusted
 
 __all__ = ["Destination", "open_destination"]
 
@@ -32,6 +39,8 @@ class Destination:
     fd: int
     shown: Path
     """The path the job named: for logs and results only."""
+    dev: int
+    """``st_dev`` of its filesystem: everything the stage-out writes must land there."""
 
     @property
     def path(self) -> Path:
@@ -73,12 +82,18 @@ def open_destination(
 def _walk(
     prefix: str, names: list[str], path: Path, scratch_devs: Collection[int]
 ) -> tuple[Destination | None, str]:
+    uid = os.geteuid()
     fd = os.open(prefix, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     where = prefix
     try:
+        root_dev = os.fstat(fd).st_dev
         for name in names:
-            if os.fstat(fd).st_dev in scratch_devs:
+            st = os.fstat(fd)
+            if st.st_dev in scratch_devs:
                 break
+            if why := untrusted(st, uid, last=False):
+                os.close(fd)
+                return None, f"{where} {why}"
             where = os.path.join(where, name)
             try:
                 with contextlib.suppress(FileExistsError):
@@ -91,11 +106,19 @@ def _walk(
                 raise OSError(e.errno, e.strerror, where) from None
             os.close(fd)
             fd = sub
-        if os.fstat(fd).st_dev in scratch_devs:
+        st = os.fstat(fd)
+        if st.st_dev in scratch_devs:
             os.close(fd)
             return None, f"{where} is on the node's scratch filesystem"
+        if st.st_dev != root_dev:
+            os.close(fd)
+            return None, (f"{where} is on another filesystem than {prefix} (a mount below a stage-out root): "
+                          "list it in storage.stage_out_roots if it is durable storage")  # fmt: skip
+        if why := untrusted(st, uid, last=True):
+            os.close(fd)
+            return None, f"{where} {why}"
     except BaseException:
         with contextlib.suppress(OSError):
             os.close(fd)
         raise
-    return Destination(fd, path), ""
+    return Destination(fd, path, st.st_dev), ""

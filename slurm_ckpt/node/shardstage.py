@@ -67,14 +67,18 @@ def has_shards(scratch_ckpt: Path) -> bool:
 
 
 def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float, *, keep: int | None = None,
-                 sparse_bytes: int | None = None) -> StageResult:  # fmt: skip
+                 sparse_bytes: int | None = None, on_dev: int | None = None) -> StageResult:  # fmt: skip
     """Stage every shard on this node that the durable tier still needs. Never raises.
 
     ``keep`` (the job's, from ``TIER.json``): make room on a full durable tier
     and apply retention after an assembly, as the job's own drain does.
     ``sparse_bytes``: a shard stored sparse that would be written out larger
-    than this is not staged (see :func:`sparse_excess`).
+    than this is not staged (see :func:`sparse_excess`), and the copies write no more than
+    this in all. ``on_dev``: the durable filesystem, where every copy must land.
     """
+    from ..store.transfer import ByteBudget
+
+    budget = ByteBudget(sparse_bytes) if sparse_bytes is not None else None
     start = time.monotonic()
     try:
         newest = newest_step(durable)
@@ -101,7 +105,7 @@ def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float, *, keep
                 if sparse_bytes is not None and (why := sparse_excess(shard.path, shard.manifest, sparse_bytes)):
                     errors.append(why)
                     continue
-                sh.stage_shard(shard, durable, keep=keep, lock_timeout=lock_timeout)
+                sh.stage_shard(shard, durable, keep=keep, lock_timeout=lock_timeout, on_dev=on_dev, budget=budget)
                 done = sh.complete(
                     durable,
                     shard.step,
@@ -110,6 +114,7 @@ def stage_shards(scratch_ckpt: Path, durable: Path, lock_timeout: float, *, keep
                     keep=keep,
                     lock_timeout=lock_timeout,
                     by="epilog",
+                    on_dev=on_dev,
                 )
             except CheckpointCorrupt as e:
                 log.warning("not staging %s: %s", name, e)

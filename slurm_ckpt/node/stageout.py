@@ -10,6 +10,14 @@ Both sides get the same screens: a manifest of bounded size, regular files
 only. The copy goes through :func:`slurm_ckpt.store.copy_checkpoint`
 (checksummed while copied, committed with the store's protocol) and is
 verified again in full before it counts.
+
+The durable run dir lies on shared storage, where any node of the user can
+rename what the stage-out makes: the copy and its commit go through the fds
+of the dirs they made, on the run dir's filesystem only (``on_dev``), so
+nothing is written to a link swapped in (to ``/dev/shm``, a tmpfs). Each
+source file is opened once and checked on that fd, at most the size its
+manifest names is read, and the whole copy writes no more than the job's
+reservation (``RLIMIT_FSIZE`` on top, per file).
 """
 
 from __future__ import annotations
@@ -31,6 +39,11 @@ from .userchild import run_as_user
 
 # The rest of the store is imported in the functions that use it, which only
 # the stage-out child calls: every epilog imports this module, few stage out.
+# The parent imports them before it forks (see _preload): the child, as the
+# user, may not be able to read the installation at all.
+_CHILD_MODULES = ("..store", "..store.fsutil", "..store.layout", "..store.lock", "..store.manifest",
+                  "..store.retention", "..store.retry", "..store.transfer", "..store.verify",
+                  "..store.shards", ".shardstage")  # fmt: skip
 
 __all__ = ["StageLimits", "Tier", "read_tier", "stage_out"]
 
@@ -126,7 +139,8 @@ def _stage(scratch_ckpt: Path, default_durable: Path | None, limits: StageLimits
         dest, refused = _destination(wanted, limits)
         if dest is None:
             return StageResult("failed", refused)
-        res = stage_shards(scratch_ckpt, dest.path, lock_timeout, keep=keep, sparse_bytes=limits.sparse_bytes)
+        res = stage_shards(scratch_ckpt, dest.path, lock_timeout, keep=keep, sparse_bytes=limits.sparse_bytes,
+                           on_dev=dest.dev)  # fmt: skip
         return _shown(res, dest, refused)
     errors: list[str] = []
     candidates = screened(scratch_ckpt, errors, scratch_mnt)
@@ -141,6 +155,9 @@ def _stage(scratch_ckpt: Path, default_durable: Path | None, limits: StageLimits
     if dest is None:
         return StageResult("failed", refused)
     newest = next(screened(dest.path, []), None)
+    if newest is not None and (why := _foreign(newest.path)):
+        return StageResult("failed", dest.show(f"{newest.path} {why}"))
+    passed_over: list[str] = []
     for cand in (first, *candidates):
         if newest is not None and newest.step >= cand.step:
             return _shown(StageResult("up-to-date", f"{dest.path} has step {newest.step}", newest.step,
@@ -156,20 +173,24 @@ def _stage(scratch_ckpt: Path, default_durable: Path | None, limits: StageLimits
         run = RunDir(dest.path, lock_timeout=lock_timeout)
         run.lock()
         try:
-            dst = _copy_in(cand.path, run.path, keep)
+            dst = _copy_in(cand.path, run.path, keep, dest.dev, limits.sparse_bytes)
             verify_checkpoint(dst, full=True)
             if keep:
                 # Synchronous, unlike a trainer's retention: this child ends with os._exit.
                 apply_retention(run.path, keep, protect=[dst])
-        except CheckpointCorrupt:
+        except CheckpointCorrupt as e:
+            # Changed since it was screened (a file renamed over), or damaged: an older one may do.
+            log.warning("not staging %s: %s", escape(cand.path), escape(e))
+            passed_over.append(str(e))
             continue
         finally:
             run.unlock()
         passed = f" (newer ones passed over: {'; '.join(errors)})" if errors else ""
         return _shown(StageResult("staged", f"{cand.path} -> {dst}{passed}", cand.step, str(dst)), dest, refused)
     if errors:
-        return StageResult("failed", "checkpoint(s) not staged: " + "; ".join(errors))
-    return StageResult("none", f"no valid checkpoint in {scratch_ckpt}")
+        return StageResult("failed", "checkpoint(s) not staged: " + "; ".join(errors + passed_over))
+    why = f" ({'; '.join(passed_over)})" if passed_over else ""
+    return StageResult("none", f"no valid checkpoint in {scratch_ckpt}{why}")
 
 
 def _destination(wanted: list[Path], limits: StageLimits) -> tuple[Destination | None, str]:
@@ -191,16 +212,36 @@ def _shown(res: StageResult, dest: Destination, refused: str) -> StageResult:
     return replace(res, detail=detail, path=dest.show(res.path) if res.path else None)
 
 
-def _copy_in(src: Path, durable: Path, keep: int | None) -> Path:
-    """Copy a checkpoint into the durable run dir; with the job's ``keep``, make room
-    on a full disk the way the job's own drain does."""
+def _foreign(step: Path) -> str | None:
+    """Why a durable checkpoint cannot count as the user's own, or None."""
+    from ..store.owner import untrusted
+
+    return untrusted(os.lstat(step), os.geteuid(), last=True)
+
+
+def _copy_in(src: Path, durable: Path, keep: int | None, dev: int, budget: int) -> Path:
+    """Copy a checkpoint into the durable run dir (on filesystem ``dev``, at most ``budget``
+    bytes); with the job's ``keep``, make room on a full disk the way the job's own drain does."""
     from ..store import copy_checkpoint
     from ..store.retry import prune_for_space, pruned_once
+    from ..store.transfer import ByteBudget
 
     def prune() -> list[Path]:
         return prune_for_space(durable, keep) if keep else []
 
-    return pruned_once(lambda: copy_checkpoint(src, durable), prune, f"staging {src} out to {durable}")
+    def copy() -> Path:
+        return copy_checkpoint(src, durable, on_dev=dev, budget=ByteBudget(budget))
+
+    return pruned_once(copy, prune, f"staging {src} out to {durable}")
+
+
+def _preload() -> None:
+    """Import, as root, every module the stage-out child uses: once it is the user, it may not
+    be able to read them (an installation under root's 0700 home)."""
+    import importlib
+
+    for name in _CHILD_MODULES:
+        importlib.import_module(name, __package__)
 
 
 def stage_out(scratch_ckpt: Path, default_durable: Path | None, job: Job, timeout: float,
@@ -218,9 +259,17 @@ def stage_out(scratch_ckpt: Path, default_durable: Path | None, job: Job, timeou
             res = StageResult("failed", f"{type(e).__name__}: {escape(e)}")
         except BaseException as e:  # reported to the parent, which logs it
             res = StageResult("failed", f"unexpected {type(e).__name__}: {escape(e)}")
-        return json.dumps(asdict(replace(res, detail=escape(res.detail, 2 * FIELD_LIMIT)))).encode()
+        detail = res.detail
+        for dest in _SHOWN.dests:  # an error's path through a destination's fd, as the job named it
+            detail = dest.show(detail)
+        return json.dumps(asdict(replace(res, detail=escape(detail, 2 * FIELD_LIMIT)))).encode()
 
-    out = run_as_user(job, work, timeout, name="stage-out", log_filter=_SHOWN)
+    _preload()
+    from ..store.manifest import UNTRUSTED_MANIFEST_LIMIT
+
+    # Per file, on top of the copy's byte budget: a manifest is bounded on its own.
+    file_size = max(limits.sparse_bytes, UNTRUSTED_MANIFEST_LIMIT)
+    out = run_as_user(job, work, timeout, name="stage-out", log_filter=_SHOWN, file_size=file_size)
     if out.stopped:
         return StageResult("failed", "the stage-out child was stopped (a SIGSTOP from the job's user?); killed")
     if out.timed_out:

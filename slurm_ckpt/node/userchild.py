@@ -98,10 +98,14 @@ def _bound_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def _become(job: Job, groups: list[int]) -> None:
+def _become(job: Job, groups: list[int], file_size: int | None) -> None:
     """Take the job user's identity for good (real, effective and saved ids)."""
     # This child runs outside the job's cgroup: bound what user data can make it allocate.
     _bound_memory()
+    if file_size is not None:
+        # And what it can write to one file; a write past it fails (EFBIG) instead of killing the child.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
     os.setgroups(groups)
     os.setresgid(job.gid, job.gid, job.gid)
     os.setresuid(job.uid, job.uid, job.uid)
@@ -110,10 +114,10 @@ def _become(job: Job, groups: list[int]) -> None:
 
 
 def _child(job: Job, groups: list[int], work: Callable[[], bytes], log_filter: logging.Filter | None,
-           out_fd: int, result_fd: int) -> NoReturn:  # fmt: skip
+           out_fd: int, result_fd: int, file_size: int | None) -> NoReturn:  # fmt: skip
     try:
         _keep_only(out_fd, result_fd)
-        _become(job, groups)
+        _become(job, groups, file_size)
         # Records go to the pipe the parent reads, one escaped line each; never to root's log.
         stream = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
         sys.stdout = sys.stderr = stream
@@ -186,12 +190,14 @@ def _relay(name: str, output: bytes, dropped: int) -> None:
 
 
 def run_as_user(job: Job, work: Callable[[], bytes], timeout: float, *, name: str,
-                log_filter: logging.Filter | None = None) -> Outcome:  # fmt: skip
+                log_filter: logging.Filter | None = None, file_size: int | None = None) -> Outcome:  # fmt: skip
     """Run ``work`` as ``job``'s user in a forked child; its output is logged as ``name``.
 
     ``work`` returns the result bytes and reports its own errors in them; an
     exception out of it leaves no result. ``log_filter`` goes on the child's
-    log handler. Never raises for what the child does.
+    log handler; ``file_size`` bounds each file it writes (``RLIMIT_FSIZE``).
+    Every module ``work`` imports must be imported before: the user may not
+    be able to read them. Never raises for what the child does.
     """
     try:
         groups = os.getgrouplist(job.user, job.gid)  # here: no name service lookups in the forked child
@@ -201,7 +207,7 @@ def run_as_user(job: Job, work: Callable[[], bytes], timeout: float, *, name: st
     out_r, out_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns
-        _child(job, groups, work, log_filter, out_w, result_w)
+        _child(job, groups, work, log_filter, out_w, result_w, file_size)
     os.close(result_w)
     os.close(out_w)
     try:

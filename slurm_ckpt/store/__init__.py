@@ -77,7 +77,11 @@ class RunDir:
 
     def ensure(self) -> None:
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            # 0755 whatever the umask allows: a dir others can write in is refused by the
+            # epilog's stage-out and by the next run (store/owner.py).
+            missing = [p for p in (self.path, *self.path.parents) if not p.exists()]
+            for path in reversed(missing):
+                path.mkdir(mode=0o755, exist_ok=True)
         except OSError as e:
             raise storage_error(e, "cannot create run dir", self.path) from e
 

@@ -137,22 +137,26 @@ def write_file_durably(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def exchange_or_replace_dir(src: Path, dst: Path) -> Path | None:
+def exchange_or_replace_dir(src: Path | str, dst: Path | str, *, dir_fd: int | None = None) -> Path | None:
     """Rename directory ``src`` to ``dst`` atomically.
 
     If ``dst`` already exists (the same step saved again after a resume), swap
     the two atomically with ``renameat2(RENAME_EXCHANGE)`` so that ``dst`` is at
     every instant either the old complete checkpoint or the new one. Returns the
     path now holding the old contents (for the caller to delete), or None.
+    With ``dir_fd``, both are names in that dir, and so is the path returned.
     """
+    src, dst = Path(src), Path(dst)
+    at = dict(src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     try:
-        os.rename(src, dst)
+        os.rename(src, dst, **at)
         return None
     except OSError as e:
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR):
             raise storage_error(e, "cannot rename checkpoint into place", dst) from e
     if _renameat2 is not None:
-        rc = _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_EXCHANGE)
+        fd = _AT_FDCWD if dir_fd is None else dir_fd
+        rc = _renameat2(fd, os.fsencode(src), fd, os.fsencode(dst), _RENAME_EXCHANGE)
         if rc == 0:
             return src
         err = ctypes.get_errno()
@@ -163,8 +167,8 @@ def exchange_or_replace_dir(src: Path, dst: Path) -> Path | None:
     # the previous step is still there, so nothing valid is lost.
     aside = src.with_name(src.name + ".old")
     try:
-        os.rename(dst, aside)
-        os.rename(src, dst)
+        os.rename(dst, aside, **at)
+        os.rename(src, dst, **at)
     except OSError as e:
         raise storage_error(e, "cannot replace existing checkpoint", dst) from e
     return aside

@@ -265,3 +265,16 @@ def remove_tree(path: Path) -> None:
     if left:
         raise RuntimeError(f"not removing {path}: still mounted below it: {left}")
     shutil.rmtree(path, ignore_errors=True)
+
+
+def install_hooks(dest: Path, config: Path, bin_: Path) -> Path:
+    """The shims installed into ``dest`` with scripts/install-hooks.sh, as the README says; the log in ``dest``."""
+    repo = Path(__file__).resolve().parents[2]
+    sh("bash", str(repo / "scripts" / "install-hooks.sh"), "--dest", str(dest), "--bin", str(bin_),
+       "--config", str(config), "--log", str(dest / "hooks.log"))  # fmt: skip
+    return dest
+
+
+def run_shim(shim: Path, env: dict[str, str]) -> int:
+    """A shim as slurmd runs it: root, ``env -i`` but for the job's variables, no PATH."""
+    return subprocess.run([str(shim)], env=env, capture_output=True, timeout=120, cwd="/").returncode

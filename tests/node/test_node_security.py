@@ -123,9 +123,10 @@ def test_hostile_tier_json(site: dict[str, Path], user: User) -> None:
         res = epilog(site, user, job_id)
         assert res is not None
         if job_id == "14":
-            # Under storage.root, but written as the user: the other user's dir refuses it; scratch kept.
-            assert res.status == "failed" and "Permission denied" in res.detail
-            assert job.exists()
+            # Under storage.root, but in another user's dir: refused before anything is made in it.
+            assert res.status == "staged" and str(site["root"] / user.name / "job_14") in str(res.path)
+            assert f"{site['victim']} is owned by uid {site['victim'].stat().st_uid}, not by the job's user" in res.detail
+            assert not job.exists()
         else:
             # Outside storage.root (refused), or not a usable absolute path: the default durable dir is used.
             assert res.status == "staged" and str(site["root"] / user.name / f"job_{job_id}") in str(res.path)

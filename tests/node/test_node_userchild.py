@@ -119,3 +119,26 @@ def test_a_small_file_costs_the_child_its_size_not_its_limit(pub_tmp: Path, user
     monkeypatch.setattr(userchild, "CHILD_MEMORY", 64 * 2**20)
     out = userchild.run_as_user(job_of(user), lambda: read_small(small, GiB)[:8], 30.0, name="probe")
     assert out.result == b'{"x": 1}', out
+
+
+def test_a_file_past_the_childs_file_size_bound_fails_without_killing_it(user: User, pub_tmp: Path) -> None:
+    """Whatever path a write takes, a file grows no larger than ``file_size``: EFBIG, and the child reports it."""
+    import errno
+    import os
+
+    d = pub_tmp / "mine"
+    owned_tree(d, user)
+
+    def write_past() -> bytes:
+        fd = os.open(d / "big", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, b"x" * 2**20)
+            os.write(fd, b"x")
+        except OSError as e:
+            return errno.errorcode[e.errno or 0].encode()
+        finally:
+            os.close(fd)
+        return b"wrote"
+
+    out = userchild.run_as_user(job_of(user), write_past, 30.0, name="probe", file_size=2**20)
+    assert out.result == b"EFBIG" and (d / "big").stat().st_size == 2**20, out

@@ -65,13 +65,13 @@ def _committed_save(final: Path) -> Manifest | None:
 
 
 def complete(durable: Path, step: int, save_id: str, world: int, *, keep: int | None = None,
-             lock_timeout: float = 60.0, by: str = "") -> Path | None:  # fmt: skip
+             lock_timeout: float = 60.0, by: str = "", on_dev: int | None = None) -> Path | None:  # fmt: skip
     """Commit checkpoint ``step`` from its staged shards if all ``world`` are there.
 
     Returns the committed ``step-N`` (also when someone else committed this
     save before), or None while shards are missing. With ``keep``, retention
     runs on the durable run dir afterwards. ``by`` (drain, epilog) goes into
-    the manifest's ``assembled_by``.
+    the manifest's ``assembled_by``. ``on_dev``: see :func:`~slurm_ckpt.store.commit.commit`.
     """
     stage = staging_dir(durable, step, save_id)
     final = step_dir(durable, step)
@@ -99,7 +99,7 @@ def complete(durable: Path, step: int, save_id: str, world: int, *, keep: int | 
         files, tensors, meta = _merged(save_id, world, shards, when, by)
         # Every shard is committed (fsynced, renamed) in the staging dir. Only now
         # may the manifest that makes the checkpoint whole be written, into it.
-        commit(durable, step, lambda _: (files, tensors), into=stage, **meta)
+        commit(durable, step, lambda _: (files, tensors), into=stage, on_dev=on_dev, **meta)
         log.info("assembled %s from %d shards", final, world)
         prune_staging(durable, step)
         if keep is not None:

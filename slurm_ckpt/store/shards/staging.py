@@ -11,7 +11,7 @@ from ..commit import WriteFn, commit
 from ..fsutil import remove_tree
 from ..retry import prune_for_space, pruned_once
 from ..tensorfile import FileRecord
-from ..transfer import copy_files
+from ..transfer import ByteBudget, copy_files
 from ..verify import plain_files, verify_checkpoint
 from .assembly import AssemblyLock
 from .layout import shard_name, staging_dir
@@ -33,7 +33,8 @@ def write_staged_shard(durable: Path, step: int, save_id: str, rank: int, write:
     return commit(stage, step, write, name=shard_name(rank), if_exists="keep", **meta)
 
 
-def stage_shard(shard: LocalShard, durable: Path, *, keep: int | None = None, lock_timeout: float = 60.0) -> Path:
+def stage_shard(shard: LocalShard, durable: Path, *, keep: int | None = None, lock_timeout: float = 60.0,
+                on_dev: int | None = None, budget: ByteBudget | None = None) -> Path:  # fmt: skip
     """Copy a shard committed on scratch into the durable staging dir; return where it is.
 
     Every byte is checksummed as it is copied and compared with the shard's
@@ -45,6 +46,8 @@ def stage_shard(shard: LocalShard, durable: Path, *, keep: int | None = None, lo
     fewer than the newest one) and the copy is tried once more. The pruning
     takes the assembly lock, under which retention after an assembly runs, so
     two ranks never prune at once.
+
+    ``on_dev`` and ``budget``: see :func:`~slurm_ckpt.store.transfer.copy_checkpoint`.
     """
     stage = staging_dir(durable, shard.step, shard.save_id)
     dst = stage / shard_name(shard.rank)
@@ -60,7 +63,7 @@ def stage_shard(shard: LocalShard, durable: Path, *, keep: int | None = None, lo
         raise CheckpointCorrupt(f"{src}: a file of the shard is not a regular file", src)
 
     def copy(tmp: Path) -> tuple[dict[str, FileRecord], dict[str, Any]]:
-        return copy_files(src, tmp, man.files, read_back=True), man.tensors
+        return copy_files(src, tmp, man.files, read_back=True, budget=budget), man.tensors
 
     extra = dict(man.extra, staged_from=f"{man.host}:{src}")
 
@@ -68,7 +71,7 @@ def stage_shard(shard: LocalShard, durable: Path, *, keep: int | None = None, lo
         _mkdirs(stage)
         return commit(stage, man.step, copy, name=dst.name, if_exists="keep", time=man.time,
                       host=man.host, job_id=man.job_id, world_size=man.world_size,
-                      nbytes=man.nbytes, extra=extra)  # fmt: skip
+                      nbytes=man.nbytes, extra=extra, on_dev=on_dev)  # fmt: skip
 
     def prune() -> list[Path]:
         if keep is None:
