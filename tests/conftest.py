@@ -11,8 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+# One budget for every property test, so the suite's time is set here and not test by
+# test. No deadline: on a shared or loaded machine a slow example is not a failure.
+# HYPOTHESIS_PROFILE=thorough searches far longer, for a nightly run or a change to the
+# code a property test guards.
+settings.register_profile("default", max_examples=40, deadline=None)
+settings.register_profile("thorough", max_examples=1000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture(autouse=True)

@@ -26,12 +26,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(world: int, target: str, args: dict[str, Any], out_dir: Path, **popen: Any) -> list[subprocess.Popen[str]]:
-    """Start the ranks; each writes ``out_dir/rank-N.json`` when its function returns."""
-    port = free_port()
+def rank_env() -> dict[str, str]:
+    """A rank's environment: this one's, less what would tell it another rank or job."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")  # several ranks share few cores
+    return env
+
+
+def start(world: int, target: str, args: dict[str, Any], out_dir: Path, **popen: Any) -> list[subprocess.Popen[str]]:
+    """Start the ranks; each writes ``out_dir/rank-N.json`` when its function returns."""
+    port = free_port()
+    env = rank_env()
     popen.setdefault("stdout", subprocess.PIPE)
     popen.setdefault("stderr", subprocess.STDOUT)
     def cmd(r: int) -> list[str]:
@@ -60,13 +66,15 @@ def launch(world: int, target: str, args: dict[str, Any], out_dir: Path, *, time
     return [json.loads((out_dir / f"rank-{r}.json").read_text()) for r in range(world)]
 
 
-def _main(target: str, rank: int, world: int, port: int, args: str, out: str) -> None:
+def run_rank(target: str, rank: int, world: int, port: int, args: str, out: str) -> None:
+    """Be rank ``rank``: join the group, call ``target``, write its result to ``out``."""
     import warnings
 
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore", category=UserWarning)  # DCP and FSDP speak up on every call
-    sys.path.insert(0, str(Path(__file__).parent))  # as pytest does: test modules import their neighbours
+    if str(Path(__file__).parent) not in sys.path:
+        sys.path.insert(0, str(Path(__file__).parent))  # as pytest does: test modules import their neighbours
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     module, name = target.split(":")
     try:
@@ -78,7 +86,7 @@ def _main(target: str, rank: int, world: int, port: int, args: str, out: str) ->
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
+    run_rank(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
     # The result is on disk: skip the interpreter's teardown, which torch 2.13's gloo
     # group can abort once an optimizer was built (exit 134; docs/tiers.md).
     sys.stdout.flush()

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dist_ranks import launch  # the same directory
 from fsdp_state import full, mismatches, model, train
+
+from tests.integration.rank_pool import RankPool
 
 pytestmark = pytest.mark.slow
 
@@ -28,10 +29,10 @@ HERE = "tests.integration.test_checkpointer_dtensor"
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def saved(tmp_path_factory: pytest.TempPathFactory, rank_pool: RankPool) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("ckpt-dtensor")
     args = {k: str(base / k) for k in ("coll", "cross", "raw", "scratch", "ref.pt")}
-    results = launch(2, f"{HERE}:_w_save", args, base / "out-save")
+    results = rank_pool.launch(2, f"{HERE}:_w_save", args, base / "out-save")
     return {"base": base, "args": args, "ranks": results}
 
 
@@ -81,7 +82,9 @@ def test_crossnode_shards_are_drained_and_assembled_and_resume_at_the_same_world
 
 
 @pytest.mark.parametrize("world", [3, 1])
-def test_load_latest_at_another_world_size_reshards_all_three(saved: dict[str, Any], world: int) -> None:
+def test_load_latest_at_another_world_size_reshards_all_three(
+    saved: dict[str, Any], world: int, rank_pool: RankPool
+) -> None:
     base = saved["base"]
     # A damaged block in step 2 of a copy: every rank must move to step 1 together.
     bad = Path(saved["args"]["coll"] + f"-bad{world}")
@@ -96,7 +99,7 @@ def test_load_latest_at_another_world_size_reshards_all_three(saved: dict[str, A
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
     args = {**saved["args"], "bad": str(bad)}
-    results = launch(world, f"{HERE}:_w_load", args, base / f"out-load{world}")
+    results = rank_pool.launch(world, f"{HERE}:_w_load", args, base / f"out-load{world}")
     for rank, r in enumerate(results):
         assert r["coll"] == [], r["coll"]
         assert r["cross"] == [] and r["raw"] == [] and r["dcp_load"] == []

@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dist_ranks import launch, start  # the same directory
+from dist_ranks import start  # the same directory
 from fsdp_state import full as _full
 from fsdp_state import mismatches as _mismatches
 from fsdp_state import model as _model
 from fsdp_state import train as _train
+
+from tests.integration.rank_pool import RankPool
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +32,10 @@ HERE = "tests.integration.test_dcp_dist"
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def saved(tmp_path_factory: pytest.TempPathFactory, rank_pool: RankPool) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("dcp-dist")
     args = {"run": str(base / "run"), "raw": str(base / "raw"), "ref": str(base / "ref.pt")}
-    results = launch(2, f"{HERE}:_w_train_and_save", args, base / "out-save")
+    results = rank_pool.launch(2, f"{HERE}:_w_train_and_save", args, base / "out-save")
     return {"base": base, "args": args, "ranks": results}
 
 
@@ -73,9 +75,9 @@ def test_a_checkpoint_written_by_two_ranks_is_one_committed_checkpoint(saved: di
     assert not [p for p in run.iterdir() if p.name.startswith(".tmp")]
 
 
-def test_load_at_three_ranks_reshards_model_and_optimizer(saved: dict[str, Any]) -> None:
+def test_load_at_three_ranks_reshards_model_and_optimizer(saved: dict[str, Any], rank_pool: RankPool) -> None:
     base = saved["base"]
-    results = launch(3, f"{HERE}:_w_load", {**saved["args"], "into": True}, base / "out-load3")
+    results = rank_pool.launch(3, f"{HERE}:_w_load", {**saved["args"], "into": True}, base / "out-load3")
     total = _data_bytes(Path(saved["args"]["run"]))
     for rank, r in enumerate(results):
         assert r["step"] == 2
@@ -90,9 +92,9 @@ def test_load_at_three_ranks_reshards_model_and_optimizer(saved: dict[str, Any])
         assert r["epoch"] == 7
 
 
-def test_load_at_one_rank_gives_whole_tensors_with_or_without_into(saved: dict[str, Any]) -> None:
+def test_load_at_one_rank_gives_whole_tensors_with_or_without_into(saved: dict[str, Any], rank_pool: RankPool) -> None:
     base = saved["base"]
-    (r,) = launch(1, f"{HERE}:_w_load", {**saved["args"], "into": True, "whole": True}, base / "out-load1")
+    (r,) = rank_pool.launch(1, f"{HERE}:_w_load", {**saved["args"], "into": True, "whole": True}, base / "out-load1")
     assert r["mismatches"] == [] and r["whole_mismatches"] == []
     # One rank needs every tensor byte but rank 1's own values, and reads exactly those.
     assert r["read"] == r["needed"] == _tensor_bytes(Path(saved["args"]["run"]), but="#rank1")
@@ -137,7 +139,9 @@ def test_kill_9_of_a_writer_mid_save_leaves_the_previous_checkpoint_newest(tmp_p
     assert got is not None and got.step == 3 and torch.equal(got.state["w"], torch.ones(4))
 
 
-def test_two_ranks_on_one_node_commit_on_its_scratch_and_the_drain_makes_it_durable(tmp_path: Path) -> None:
+def test_two_ranks_on_one_node_commit_on_its_scratch_and_the_drain_makes_it_durable(
+    tmp_path: Path, rank_pool: RankPool
+) -> None:
     """dcp.save with scratch shared by both ranks (one node): the commit goes to
     ``<scratch>/ckpt`` and the drain copies it to the run dir, which alone then loads
     bit-exact. Ranks naming different scratch dirs (as on two nodes) commit to the run dir."""
@@ -148,7 +152,7 @@ def test_two_ranks_on_one_node_commit_on_its_scratch_and_the_drain_makes_it_dura
     for d in (shared, *own):
         d.mkdir()
     args = {"run": str(run), "shared": str(shared), "own": [str(d) for d in own]}
-    ranks = launch(2, f"{HERE}:_w_tiers", args, tmp_path / "out")
+    ranks = rank_pool.launch(2, f"{HERE}:_w_tiers", args, tmp_path / "out")
     assert ranks[0]["committed"] == [str(shared / "ckpt" / "step-000000001"), str(run / "step-000000002")]
     for r in ranks:
         assert r["drained"] is True
@@ -159,7 +163,7 @@ def test_two_ranks_on_one_node_commit_on_its_scratch_and_the_drain_makes_it_dura
     assert sorted(f for f in man.files if f.startswith("dcp-")) == ["dcp-00000.safetensors", "dcp-00001.safetensors"]
 
 
-def test_async_save_in_dcp_s_own_process_is_done_once_durable(tmp_path: Path) -> None:
+def test_async_save_in_dcp_s_own_process_is_done_once_durable(tmp_path: Path, rank_pool: RankPool) -> None:
     """dcp.async_save with a process executor, scratch shared by both ranks: DCP's
     process gets a new copy of the writer for each save, and nothing would wait for
     that copy's drain, so its save ends only once the checkpoint is in the run dir.
@@ -169,7 +173,7 @@ def test_async_save_in_dcp_s_own_process_is_done_once_durable(tmp_path: Path) ->
     fails its future and stays on scratch."""
     run, scratch = tmp_path / "run", tmp_path / "scratch"
     scratch.mkdir()
-    ranks = launch(2, f"{HERE}:_w_process_executor", {"run": str(run), "scratch": str(scratch)}, tmp_path / "out")
+    ranks = rank_pool.launch(2, f"{HERE}:_w_process_executor", {"run": str(run), "scratch": str(scratch)}, tmp_path / "out")
     assert ranks[0]["durable_when_done"] == [True, True]
     assert (scratch / "ckpt" / "step-000000002").is_dir(), "saved to scratch first"
     assert "is locked by another writer" in ranks[0]["failed"] and ranks[0]["third_durable"] is False
@@ -203,10 +207,10 @@ def _data_bytes(run: Path) -> int:
 # ---------------------------------------------------------------- the ranks' side
 
 
-def test_a_rank_whose_torch_lacks_a_saved_dtype_fails_every_rank_at_once(tmp_path: Path) -> None:
+def test_a_rank_whose_torch_lacks_a_saved_dtype_fails_every_rank_at_once(tmp_path: Path, rank_pool: RankPool) -> None:
     # Rank 1 stands for a node with an older torch. It must say why, and rank 0 must
     # not wait in the collective load for it until the group's timeout.
-    results = launch(2, f"{HERE}:_w_older_torch_on_one_rank", {"run": str(tmp_path / "run")}, tmp_path / "out",
+    results = rank_pool.launch(2, f"{HERE}:_w_older_torch_on_one_rank", {"run": str(tmp_path / "run")}, tmp_path / "out",
                      timeout=120)  # fmt: skip
     assert results[1]["error"] == "ImportError" and "upgrade torch" in results[1]["message"]
     assert results[0]["error"] == "ConfigError"

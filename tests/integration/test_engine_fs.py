@@ -33,8 +33,10 @@ pytestmark = pytest.mark.root
 # The shared fixtures, bound here so pytest finds them in this module.
 faultfs, fault_dir, make_tmpfs = fixtures.faultfs, fixtures.fault_dir, fixtures.make_tmpfs
 
-SLOW_TENSOR_WRITES = {"op": "write", "path": "*/tensors-*", "delay": 0.02}
-"""Each write call into a tensor file stalls 20 ms: a save of a few MiB takes ~0.5 s."""
+SLOW_TENSOR_WRITES = {"op": "write", "path": "*/tensors-*", "delay": 0.02, "count": 100}
+"""The first 100 write calls into tensor files stall 20 ms each: a save stays in flight
+for two seconds or more. Capped, because FUSE hands the fs 4 KiB writes: a stall on
+every write would hold a 4 MiB save for 20 s."""
 
 
 def config(snapshot: str = "auto", **engine: Any) -> Config:

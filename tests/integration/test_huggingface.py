@@ -28,6 +28,7 @@ from slurm_ckpt.integrations._folder import folder_state, write_folder
 from slurm_ckpt.integrations.accelerate import load_state, save_state
 from slurm_ckpt.integrations.transformers import SlurmCkptCallback
 from tests.faultfs.fixtures import make_tmpfs  # noqa: F401 - fixture
+from tests.integration.rank_pool import RankPool
 
 
 @pytest.fixture(autouse=True)
@@ -223,12 +224,10 @@ def _resume_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any
             "refused": refused}
 
 
-def test_resume_path_of_several_processes_is_one_step_and_one_copy_a_node(tmp_path: Path) -> None:
+def test_resume_path_of_several_processes_is_one_step_and_one_copy_a_node(tmp_path: Path, rank_pool: RankPool) -> None:
     """Eight processes a node each reading the whole checkpoint and writing a copy of it would
     need eight times its size in memory and on disk; and each picking the newest valid one
     on its own could resume them from different steps."""
-    from tests.integration.dist_ranks import launch
-
     folder = tmp_path / "checkpoint"
     folder.mkdir()
     with Checkpointer(tmp_path / "run", scratch=False) as ck:
@@ -240,7 +239,7 @@ def test_resume_path_of_several_processes_is_one_step_and_one_copy_a_node(tmp_pa
         ck.save({"format": "slurm-ckpt-folder", "files": {}, "odd": object()}, 3)
     out = tmp_path / "out"
     hosts = ["a", "a", "b"]
-    got = launch(3, "tests.integration.test_huggingface:_resume_worker",
+    got = rank_pool.launch(3, "tests.integration.test_huggingface:_resume_worker",
                  {"run": str(tmp_path / "run"), "unsafe": str(tmp_path / "unsafe"), "out": str(out),
                   "hosts": hosts}, tmp_path / "ranks")  # fmt: skip
 
@@ -280,11 +279,11 @@ def _agree_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]
     return {"path": path, "files": files, "loaded": cb.ckpt.loaded_step}
 
 
-def test_resume_path_of_nodes_that_find_different_newest_steps_is_the_oldest_of_them(tmp_path: Path) -> None:
+def test_resume_path_of_nodes_that_find_different_newest_steps_is_the_oldest_of_them(
+    tmp_path: Path, rank_pool: RankPool
+) -> None:
     """A node may find a step the others do not (one still on its scratch); resuming the
     ranks of each node from the step it found would train them from different states."""
-    from tests.integration.dist_ranks import launch
-
     folder, run, older = tmp_path / "checkpoint", tmp_path / "run", tmp_path / "older"
     folder.mkdir()
     for step in (5, 10):
@@ -296,7 +295,7 @@ def test_resume_path_of_nodes_that_find_different_newest_steps_is_the_oldest_of_
     hosts, out = ["a", "a", "b"], tmp_path / "out"
 
     def resume(runs: list[Path], name: str) -> list[dict[str, Any]]:
-        return launch(3, "tests.integration.test_huggingface:_agree_worker",  # type: ignore[no-any-return]
+        return rank_pool.launch(3, "tests.integration.test_huggingface:_agree_worker",  # type: ignore[no-any-return]
                       {"runs": [str(r) for r in runs], "hosts": hosts, "out": str(out / name)},
                       tmp_path / f"{name}-ranks")  # fmt: skip
 
@@ -314,7 +313,7 @@ def test_resume_path_of_nodes_that_find_different_newest_steps_is_the_oldest_of_
         "storage that every node mounts)"] * 3  # fmt: skip
 
     # Ctrl-C on one node's reader: the others are told, and it stays a KeyboardInterrupt there.
-    got = launch(3, "tests.integration.test_huggingface:_agree_worker",
+    got = rank_pool.launch(3, "tests.integration.test_huggingface:_agree_worker",
                  {"runs": [str(run)] * 3, "hosts": hosts, "out": str(out / "ctrl-c"), "interrupted": 2},
                  tmp_path / "ctrl-c-ranks", timeout=120)  # fmt: skip
     assert [g["error"] for g in got] == [
@@ -377,19 +376,17 @@ def _failing_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, An
 
 
 def test_accelerate_save_or_load_failing_on_one_process_fails_on_every_process(
-    tmp_path: Path, make_tmpfs: Callable[..., Path]  # noqa: F811 - fixture
+    tmp_path: Path, rank_pool: RankPool, make_tmpfs: Callable[..., Path]  # noqa: F811 - fixture
 ) -> None:
     """A process whose part of save_state or load_state fails must not leave the others
     waiting at Accelerate's next barrier until the collective timeout (30 min with gloo):
     every process raises, the failing one its own error, the others naming it."""
-    from tests.integration.dist_ranks import launch
-
     full_stage = make_tmpfs("64K")
     with open(full_stage / "filler", "wb") as f, pytest.raises(OSError, match="No space"):
         f.write(b"x" * (1 << 20))  # full: not one more block
     args = {"full": str(make_tmpfs("1M")), "run": str(tmp_path / "run"), "stage": str(tmp_path / "stage"),
             "full_stage": str(full_stage)}  # fmt: skip
-    got = launch(2, "tests.integration.test_huggingface:_failing_worker", args, tmp_path / "ranks", timeout=120)
+    got = rank_pool.launch(2, "tests.integration.test_huggingface:_failing_worker", args, tmp_path / "ranks", timeout=120)
 
     # Each process raises its own error, and the others the same error, with its rank.
     assert got[0]["commit"].startswith("NoSpace: "), got[0]
@@ -460,15 +457,13 @@ def _trainer_worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, An
 
 
 def test_trainer_commit_failing_on_the_main_process_fails_every_process(
-    tmp_path: Path, make_tmpfs: Callable[..., Path]  # noqa: F811 - fixture
+    tmp_path: Path, rank_pool: RankPool, make_tmpfs: Callable[..., Path]  # noqa: F811 - fixture
 ) -> None:
     """The Trainer calls on_save on every process; a commit that fails on the main one must
     not leave the others waiting at the next barrier until the collective timeout. And a
     stop requested on one process stops all of them at the same step."""
-    from tests.integration.dist_ranks import launch
-
     args = {"full": str(make_tmpfs("16K")), "run": str(tmp_path / "run"), "out": str(tmp_path / "out")}
-    got = launch(2, "tests.integration.test_huggingface:_trainer_worker", args, tmp_path / "ranks", timeout=120)
+    got = rank_pool.launch(2, "tests.integration.test_huggingface:_trainer_worker", args, tmp_path / "ranks", timeout=120)
 
     assert got[0]["commit"].startswith("NoSpace: "), got[0]
     assert got[1]["commit"] == f"ShardError: committing checkpoint 5 failed: rank 0: {got[0]['commit']}"

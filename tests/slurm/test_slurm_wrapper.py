@@ -36,6 +36,9 @@ Reference = Callable[[str, int], list[str]]
 
 # ~9 s of simulated compute in an uninterrupted run; signals land around step 40-60.
 ARGS = "--steps 300 --every 50 --step-time 0.03"
+# The same, but only the first run is paced (for the signal to land mid-run): a resumed
+# run that no test signals has nothing to wait for.
+ONE_STOP = "--steps 300 --every 50 --first-step-time 0.03 --step-time 0"
 THIS = "tests/slurm/test_slurm_wrapper.py"
 
 
@@ -70,7 +73,7 @@ def test_manual_usr1_checkpoints_requeues_and_resumes_bit_identical(
     slurm_cluster: Cluster, slurm_workdir: Path, reference: Reference, figures: Figures
 ) -> None:
     """(a) scancel --signal=USR1, twice back to back: one checkpoint, one requeue, exact resume."""
-    job = slurm_cluster.sbatch(script(slurm_workdir, ARGS), "--requeue", workdir=slurm_workdir,
+    job = slurm_cluster.sbatch(script(slurm_workdir, ONE_STOP), "--requeue", workdir=slurm_workdir,
                                name="usr1")  # fmt: skip
     _started(job, 0)
     sent = job.signal("USR1")
@@ -90,7 +93,7 @@ def test_manual_usr1_checkpoints_requeues_and_resumes_bit_identical(
     stopped = _stopped_at(job)
     assert len(stopped) == 1 and first.find("committed", step=str(stopped[0]))
     assert _resumed_from(job) == [(0, 0), (1, stopped[0])]
-    assert done_digests(slurm_workdir) == reference(ARGS, 1)
+    assert done_digests(slurm_workdir) == reference(ONE_STOP, 1)
     figures("slurm-e2e-a-manual-usr1", timing_report(
         "(a) scancel --signal=USR1 -> checkpoint -> requeue", f"{THIS}::{_name()}",
         [("USR1 (scancel)", first, sent, requeued[0])]))  # fmt: skip
@@ -163,7 +166,7 @@ def test_two_ranks_save_shards_requeue_once_and_resume(
 ) -> None:
     """(c) srun -n 2 with gloo: both ranks save a shard of one checkpoint; one requeue."""
     pre = f"export MASTER_ADDR=127.0.0.1 MASTER_PORT={free_port()}\n"
-    job = slurm_cluster.sbatch(script(slurm_workdir, ARGS, srun_args="-n 2", pre=pre),
+    job = slurm_cluster.sbatch(script(slurm_workdir, ONE_STOP, srun_args="-n 2", pre=pre),
                                "--requeue", "-n", "2", workdir=slurm_workdir, name="ranks")  # fmt: skip
     _started(job, 0)
     sent = job.signal("USR1")
@@ -193,7 +196,7 @@ def test_two_ranks_save_shards_requeue_once_and_resume(
     starts = re.findall(r"^trainer: start rank=(\d) world=2 from=(\d+) pid=\d+ restart=1$",
                         job.output(), re.MULTILINE)  # fmt: skip
     assert sorted(starts) == [("0", str(step)), ("1", str(step))]
-    assert done_digests(slurm_workdir, 2) == reference(ARGS, 2)
+    assert done_digests(slurm_workdir, 2) == reference(ONE_STOP, 2)
     figures("slurm-e2e-c-two-ranks", timing_report(
         "(c) srun -n 2, gloo: USR1 -> sharded checkpoint -> one requeue", f"{THIS}::{_name()}",
         [("USR1 (scancel)", by[0, 0], sent, requeued[0])]))  # fmt: skip
@@ -203,7 +206,7 @@ def test_sigterm_checkpoints_and_requeues(
     slurm_cluster: Cluster, slurm_workdir: Path, reference: Reference, figures: Figures
 ) -> None:
     """(e) Preemption-like scancel --signal=TERM: the job stays RUNNING, so it is no cancel."""
-    job = slurm_cluster.sbatch(script(slurm_workdir, ARGS), "--requeue", workdir=slurm_workdir,
+    job = slurm_cluster.sbatch(script(slurm_workdir, ONE_STOP), "--requeue", workdir=slurm_workdir,
                                name="term")  # fmt: skip
     _started(job, 0)
     sent = job.signal("TERM")
@@ -215,7 +218,7 @@ def test_sigterm_checkpoints_and_requeues(
     assert first.find("signal", signal="TERM", action="request")
     assert first.find("requeue") and not second.find("requeue")
     assert _resumed_from(job) == [(0, 0), (1, _stopped_at(job)[0])]
-    assert done_digests(slurm_workdir) == reference(ARGS, 1)
+    assert done_digests(slurm_workdir) == reference(ONE_STOP, 1)
     requeued = requeue_log_times(slurm_cluster, job)
     figures("slurm-e2e-e-sigterm", timing_report(
         "(e) scancel --signal=TERM -> checkpoint -> requeue", f"{THIS}::{_name()}",

@@ -185,7 +185,7 @@ def round_trip(state: Any, *, async_: bool = False, **load: Any) -> Any:
             return out
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(suppress_health_check=[HealthCheck.too_slow])
 @given(states())
 def test_round_trip_is_exact_and_keeps_ties(state: Any) -> None:
     out = round_trip(state)
@@ -197,7 +197,6 @@ def test_round_trip_is_exact_and_keeps_ties(state: Any) -> None:
                 assert after[i] is after[j], "tied tensors came back as two tensors"
 
 
-@settings(max_examples=15, deadline=None)
 @given(states())
 def test_async_round_trip_is_exact(state: Any) -> None:
     assert_same(state, round_trip(state, async_=True))

@@ -42,7 +42,7 @@ def cubes(draw: st.DrawFn) -> tuple[list[int], list[int], list[int], torch.dtype
     return sizes, offsets, lengths, dtype, block
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cubes(), contiguous=st.booleans())
 def test_any_hypercube_reads_back_exactly_and_only_its_blocks(tmp_path: Path, case: tuple, contiguous: bool) -> None:
     sizes, offsets, lengths, dtype, block = case

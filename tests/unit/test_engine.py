@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from slurm_ckpt.config import ConfigError, EngineConfig, load_config
@@ -100,7 +100,6 @@ def test_crc32_of_chunks_equals_one_pass(parts: list[bytes]) -> None:
     assert crc32_of_chunks([(zlib.crc32(p), len(p)) for p in parts]) == zlib.crc32(b"".join(parts))
 
 
-@settings(max_examples=80)
 @given(
     st.lists(st.tuples(st.integers(0, 30_000), st.integers(0, 4095)), max_size=10),
     st.sampled_from([4096, 8192, 12288]),

@@ -18,7 +18,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from slurm_ckpt.engine import memcopy
@@ -54,7 +54,6 @@ def test_copy_bytes_splits_the_pieces_over_threads_and_copies_every_byte(threads
 _EDGE = [0, 1, 63, 64, 65, 4032, 4095, 4096, 4097, 4159, 4160, 8191, 65_536 + 37, 300_001]
 
 
-@settings(max_examples=60, deadline=None)
 @given(
     pieces=st.lists(
         st.tuples(st.one_of(st.sampled_from(_EDGE), st.integers(0, 70_000)),  # length
