@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import base64
 import math
-import re
 import sys
 import warnings
-from collections import Counter, OrderedDict, defaultdict, deque
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -203,7 +202,7 @@ def encode_state(
             if isinstance(obj, torch.Tensor):
                 if obj.layout != torch.strided and not obj.is_nested:
                     raise UnsupportedValue(f"{path or '/'}: a tensor of layout {obj.layout} cannot be "
-                                           f"stored; store {_layout_part(obj.layout)}")  # fmt: skip
+                                           "stored; store t.to_dense()")  # fmt: skip
                 return tensor_ref(obj, path)
             if isinstance(obj, torch.dtype):
                 return {"$dtype": str(obj).removeprefix("torch.")}
@@ -273,12 +272,7 @@ def encode_state(
             refs[0] += 1
             out.objects.append(obj)
             return {"$pickle": len(out.objects) - 1}
-        if key:  # say which, and a fix that is hashable
-            where, fix = f"{path.removesuffix('/$key') or '/'}, the key {obj!r:.60}", _key_instead(obj)
-        else:
-            where, fix = path or "/", _instead(obj)
-        raise UnsupportedValue(f"{where}: cannot store {_what(obj)} safely; "
-                               f"{fix}, or pass allow_pickle=True (trusted input only)")
+        raise UnsupportedValue(_refusal(obj, path, key))
 
     try:
         out.tree = enc(state, "")
@@ -373,159 +367,36 @@ def _plain_note(obj: Any, path: str) -> str:
     return f"{path or '/'}: {_a(type(obj).__qualname__)} as {_a(base)}"
 
 
+def _refusal(obj: Any, path: str, key: bool) -> str:
+    """The one sentence refusing ``obj``, a value with no safe form at ``path``: where, what, one fix.
 
-def _instead(obj: Any) -> str:
-    """What to store in place of ``obj``, a value with no safe form: the fix its refusal names."""
-    try:
-        usual = _usual_part(obj)
-    except Exception:  # a property, __getattr__ or metaclass may raise anything: no hint then
-        usual = None
-    return usual or "convert it to tensors and plain values"
-
-
-def _key_instead(obj: Any) -> str:
-    """What to key a dict by in place of ``obj``, a key with no safe form: a fix that
-    gives something hashable, as a key must be (set(), asdict(), state_dict() do not)."""
-    import dataclasses
-    import datetime
-    import enum
-
-    if isinstance(obj, frozenset):  # not sorted(k): it raises for a mix of types
-        return "key it by tuple(sorted(k, key=repr)) instead"
-    if dataclasses.is_dataclass(obj):
-        return "key it by dataclasses.astuple(k) instead"
-    if isinstance(obj, tuple):  # a named tuple
-        return "key it by tuple(k) instead"
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(obj, numpy.dtype):
-        if obj.subdtype is None and obj.names is not None:  # its .descr is a list, of lists where fields nest
-            return ("key it by str(k.descr) instead, and rebuild it with "
-                    "np.lib.format.descr_to_dtype(ast.literal_eval(key)) after loading")  # fmt: skip
-        if obj.subdtype is None:
-            return _instead(obj)  # its .str
-        if obj.base.names is None:  # a subarray of a plain dtype; one of records gets the advice below
-            return "key it by (k.base.str, k.shape) instead, and rebuild it with np.dtype(key) after loading"
-    if _torch_kind(obj) or isinstance(obj, (enum.Enum, datetime.date, datetime.time, datetime.timedelta)):
-        return _instead(obj)  # a str or a number: str() of it, .value, isoformat(), total_seconds()
-    return "key it by a str, an int or a tuple of them instead"
+    The fix is specific only for what trainers hold by mistake (a module or an
+    optimizer in place of its ``state_dict()``); the docs' table of refusals says
+    what to store of the rest.
+    """
+    if key:  # a dict key: which one, and a fix that is hashable
+        where, fix = f"{path.removesuffix('/$key') or '/'}, the key {obj!r:.60}", "key it by a str, an int or a tuple of them instead"
+    else:
+        where, fix = path or "/", "convert it to tensors and plain values (the loading docs' table of refusals says how)"
+        try:
+            stateful = not isinstance(obj, type) and all(
+                callable(getattr(obj, n, None)) for n in ("state_dict", "load_state_dict"))  # fmt: skip
+        except Exception:  # a __getattr__ or a metaclass may raise anything: the general fix then
+            stateful = False
+        if stateful:  # a module, optimizer, scheduler, GradScaler
+            fix = "store its state_dict() and restore it with load_state_dict()"
+    return f"{where}: cannot store {_what(obj)} safely; {fix}, or pass allow_pickle=True (trusted input only)"
 
 
 def _what(obj: Any) -> str:
-    """``obj``'s kind, as a refusal names it: its type, or a NumPy array's dtype."""
-    if _package(obj) == "numpy":
-        import numpy as np
-
-        if type(obj) is np.ndarray:
-            return f"a NumPy array of dtype {obj.dtype}"
-        if isinstance(obj, np.dtype):
-            return "a NumPy dtype"
+    """``obj``'s type as a refusal names it; a NumPy array's by its dtype."""
+    if _package(obj) == "numpy" and type(obj).__name__ == "ndarray":
+        return f"a NumPy array of dtype {obj.dtype}"
     return _a(type(obj).__qualname__)
 
 
-def _array_part(a: Any) -> str:
-    """What to store of a NumPy array whose dtype no tensor has."""
-    kind = a.dtype.kind
-    if a.dtype.names is not None:
-        return "store each field (a['name']) as an array of its own"
-    if kind in "mM":  # datetimes and timedeltas: numbers in a unit
-        return "store a.view('int64') and str(a.dtype), and view it back with .view(dtype) after loading"
-    if kind in "biufc" and not a.dtype.isnative:
-        return "store it in native byte order, a.astype(a.dtype.newbyteorder('='))"
-    if kind in "biufc":  # a width no tensor has: long double. A copy: a 0-dim or strided one views as no bytes
-        return (f"store its bytes, np.ascontiguousarray(a).reshape(-1).view(np.uint8), and a.shape, and view "
-                f"them back with .view(np.dtype('{a.dtype.str}')).reshape(shape) after loading, or cast it")  # fmt: skip
-    if kind in "USV":  # np.array() of the list alone picks the longest item's width; [] has no shape
-        return ("store a.tolist(), str(a.dtype) and a.shape, and rebuild it with "
-                "np.array(values, dtype=dtype).reshape(shape) after loading")  # fmt: skip
-    return "store a.tolist()"  # objects
-
-
-def _usual_part(obj: Any) -> str | None:
-    """The usual thing to store of an object like ``obj``, where there is one."""
-    import dataclasses
-    import datetime
-    import enum
-    import random
-    import types
-
-    def has(*names: str) -> bool:
-        return all(callable(getattr(obj, n, None)) for n in names)
-
-    if _torch_kind(obj):
-        return "store str() of it and rebuild it with getattr(torch, s.removeprefix('torch.')) after loading"
-    if _package(obj) == "numpy":
-        import numpy as np
-
-        if type(obj) is np.ndarray:
-            return _array_part(obj)
-        if isinstance(obj, np.dtype):
-            if obj.subdtype is not None:  # its .str and .descr ('|V24') have neither its base nor its shape
-                return ("store np.lib.format.dtype_to_descr(d.base) and d.shape, and rebuild it with "
-                        "np.dtype((np.lib.format.descr_to_dtype(descr), shape)) after loading")  # fmt: skip
-            if obj.names is not None:  # its .str ('|V12') has no fields; np.dtype(descr) makes fields of padding
-                return "store its .descr and rebuild it with np.lib.format.descr_to_dtype() after loading"
-            return "store its .str and rebuild it with np.dtype() after loading"
-    if isinstance(obj, (type, types.ModuleType, random.SystemRandom)):  # no state of their own to store
-        return None
-    if has("state_dict", "load_state_dict"):  # a module, optimizer, scheduler, GradScaler
-        return "store its state_dict() and restore it with load_state_dict()"
-    if has("get_state", "set_state"):  # a torch.Generator, NumPy's RandomState
-        return "store its get_state() and restore it with set_state()"
-    if has("getstate", "setstate"):  # a random.Random
-        return "store its getstate() and restore it with setstate()"
-    if _package(obj) == "numpy" and type(obj).__name__ == "Generator":  # np.random.default_rng()
-        return "store its bit_generator.state and restore it by assigning that"
-    if dataclasses.is_dataclass(obj):
-        return "store dataclasses.asdict() of it"
-    if isinstance(obj, tuple) and has("_asdict"):  # a named tuple
-        return "store its _asdict() or tuple() of it"
-    if isinstance(obj, enum.Enum):
-        return "store its .value or .name"
-    if isinstance(obj, (datetime.date, datetime.time)):
-        return "store its isoformat()"
-    if isinstance(obj, datetime.timedelta):
-        return "store its total_seconds()"
-    if isinstance(obj, frozenset):
-        return "store set() of it"
-    if isinstance(obj, deque):
-        return "store list() of it"
-    return None
-
-
-def _torch_kind(obj: Any) -> bool:
-    """Whether ``obj`` is a torch layout, memory format or qscheme (``torch.strided``)."""
-    return _package(obj) == "torch" and type(obj).__name__ in ("layout", "memory_format", "qscheme")
-
-
-def _layout_part(layout: Any) -> str:
-    """What to store of a tensor not strided: dense, or for a sparse one (smaller) the parts it is rebuilt from."""
-    import torch
-
-    if layout == torch.sparse_coo:
-        parts = ("the indices() and values() of t.coalesce(), and t.shape; rebuild it with "
-                 "torch.sparse_coo_tensor(indices, values, shape)")  # fmt: skip
-    elif layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
-        # torch.sparse_compressed_tensor takes every one of them
-        compressed, plain = ("crow", "col") if layout in (torch.sparse_csr, torch.sparse_bsr) else ("ccol", "row")
-        parts = (f"t.{compressed}_indices(), t.{plain}_indices(), t.values() and t.shape; rebuild it with "
-                 f"torch.sparse_compressed_tensor({compressed}_indices, {plain}_indices, values, shape, "
-                 f"layout={layout})")  # fmt: skip
-    else:  # mkldnn's: no smaller parts
-        return "t.to_dense()"
-    return f"t.to_dense(), or, smaller, {parts}"
-
-
-_VOWEL_READ_AS_CONSONANT = re.compile(r"one|uni(?![mn])|use|usu|eu(?!ler)", re.IGNORECASE)
-"""Starts of words read with a consonant first: One..., Union, User...; not Uninitialized..., Euler..."""
-
-
 def _a(noun: str) -> str:
-    """``noun`` with its indefinite article: "an IntervalStrategy", "a dict", "a UserDict", and
-    for a name read letter by letter, by the first letter's name: "an SGD", "a UUID"."""
-    if noun[:2].isupper():
-        return f"{'an' if noun[0] in 'AEFHILMNORSX' else 'a'} {noun}"
-    vowel = noun[:1].lower() in "aeiou" and not _VOWEL_READ_AS_CONSONANT.match(noun)
-    return f"{'an' if vowel else 'a'} {noun}"
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _np_scalar_value(x: Any) -> Any:

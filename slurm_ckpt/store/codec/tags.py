@@ -143,20 +143,13 @@ def st_dtype(dtype: Any, where: str = "", *, scalar: bool = False) -> str:
         name = str(dtype).removeprefix("torch.")
         if name.startswith(("qint", "quint")):
             # Not the bytes' view, as for the others: .view() of a quantized tensor kills the process.
-            quantization = ("its quantization (t.q_scale() and t.q_zero_point(), or t.q_per_channel_scales(), "
-                            "t.q_per_channel_zero_points() and t.q_per_channel_axis())")  # fmt: skip
-            if name in ("quint4x2", "quint2x4"):  # int_repr() packs these; their few values dequantize exactly
-                fix = (f"store t.dequantize() and {quantization}, and quantize it again with those after "
-                       "loading, which gives back the same integers")  # fmt: skip
-            else:  # not dequantize(): float32 cannot hold every qint32
-                fix = (f"store t.int_repr() and {quantization}, and rebuild it after loading with "
-                       "torch._make_per_tensor_quantized_tensor (or _make_per_channel_quantized_tensor)")  # fmt: skip
+            fix = "store t.int_repr() and its quantization parameters"
         elif scalar and dtype.itemsize > 1:
             fix = (f"store a copy of its bytes, t.reshape(1).view(torch.uint8), and view them back "
-                   f"with .view(torch.{name}).reshape(()) after loading, or cast it")  # fmt: skip
+                   f"with .view(torch.{name}).reshape(()) after loading")  # fmt: skip
         else:
             fix = (f"store a copy of its bytes, t.contiguous().view(torch.uint8), and view them back "
-                   f"with .view(torch.{name}) after loading, or cast it")  # fmt: skip
+                   f"with .view(torch.{name}) after loading")  # fmt: skip
         raise UnsupportedValue(f"{where + ': ' if where else ''}tensor dtype {name} cannot be stored: {fix}")
     return st
 
