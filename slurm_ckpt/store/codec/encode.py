@@ -22,6 +22,7 @@ from .tags import (
     _escape,
     _factory_kept,
     _package,
+    _st_name,
     _tensor_dtype,
     _torch,
     array_tensor,
@@ -42,6 +43,8 @@ class _Leaf:
     ref: dict[str, Any]
     nbytes: int
     """Of the tensor's storage."""
+    dtype: str
+    """Its safetensors name."""
 
 
 def _is_whole(t: Any, nbytes: int) -> bool:
@@ -53,10 +56,10 @@ def _is_whole(t: Any, nbytes: int) -> bool:
     return (1 not in shape and 0 not in shape) or list(t.stride()) == contiguous_strides(list(shape))
 
 
-def _plain(t: Any) -> bool:
+def _plain(t: Any, tensor_type: Any) -> bool:
     """A tensor ``{"$t": key}`` says all about: a plain CPU tensor that needs no grad,
     whose values are its bytes (no lazy conjugate or negative bit)."""
-    return type(t) is _torch().Tensor and not t.requires_grad and t.is_cpu and not t.is_conj() and not t.is_neg()
+    return type(t) is tensor_type and not t.requires_grad and t.is_cpu and not t.is_conj() and not t.is_neg()
 
 
 def _bytes_as_stored(t: Any) -> Any:
@@ -106,13 +109,14 @@ def encode_state(
         keys.add(key)
         return key
 
-    def entry(key: str, t: Any) -> None:
+    def entry(key: str, t: Any, dtype: str) -> None:
         data = prepare(t) if prepare else t.detach().to("cpu").contiguous()
-        out.tensors.append(TensorEntry(key, data, st_dtype(t.dtype), list(t.shape)))
+        out.tensors.append(TensorEntry(key, data, dtype, list(t.shape)))
 
     def tensor_ref(t: Any, path: str) -> dict[str, Any]:
         refs[0] += 1
-        if isinstance(t, lazy):
+        exact = type(t) is tensor_type  # the common case, which no lazy module's or DTensor is
+        if not exact and isinstance(t, lazy):
             # A lazy module's parameter before its first forward: no shape and no
             # memory yet, and torch raises at any look at its storage, without
             # saying where in the state it is.
@@ -140,7 +144,7 @@ def encode_state(
                 plain.append(f"{path or '/'}: a {type(t).__name__} without its Python attributes ({names})")
         if refer is not None:
             return {"$t": refer(t, path)}
-        if type(t) is not tensor_type and is_dtensor(t):
+        if not exact and is_dtensor(t):
             # Its storage is a wrapper with no data of its own, and its local shard
             # alone would be saved as if it were the whole tensor.
             raise UnsupportedValue(
@@ -150,14 +154,20 @@ def encode_state(
             )
         ref = memo.get(id(t))
         if ref is None:
-            st_dtype(t.dtype, path or "/", scalar=t.dim() == 0)  # an unstorable dtype fails here, naming it and where
+            # An unstorable dtype fails here, naming it and where.
+            dtype = _st_name(t.dtype) or st_dtype(t.dtype, path or "/", scalar=t.dim() == 0)
             ref = memo[id(t)] = {}
             storage = t.untyped_storage()
-            leaf = _Leaf(new_key(path), t, ref, int(storage.nbytes()))
-            out.leaves[leaf.key] = t
+            key = new_key(path)
+            out.leaves[key] = t
+            leaf = _Leaf(key, t, ref, storage.nbytes(), dtype)
             # One group per storage, as torch.save keys them (the storage object,
             # not its address: two storages over one buffer are saved twice).
-            storages.setdefault(storage._cdata, []).append(leaf)
+            group = storages.get(cdata := storage._cdata)
+            if group is None:
+                storages[cdata] = [leaf]
+            else:
+                group.append(leaf)
         return ref
 
     def array_ref(a: Any, path: str) -> dict[str, Any]:
@@ -174,7 +184,7 @@ def encode_state(
             key = new_key(path)
             t = array_tensor(whole)
             out.leaves[key] = t
-            entry(key, t)
+            entry(key, t, st_dtype(t.dtype))
             ref = memo[id(a)] = {tag: key}
         return ref
 
@@ -279,7 +289,7 @@ def encode_state(
     except RecursionError:  # torch.save keeps a cycle; the tree cannot hold one
         raise UnsupportedValue(_too_deep(state)) from None
     for group in storages.values():
-        _store(group, entry)
+        _store(group, entry, tensor_type)
     if plain:
         more = f" (and {len(plain) - 3} more)" if len(plain) > 3 else ""
         warnings.warn(f"stored as plain ones, these load as such: {'; '.join(plain[:3])}{more}", UserWarning,
@@ -287,12 +297,12 @@ def encode_state(
     return out
 
 
-def _store(group: list[_Leaf], entry: Callable[[str, Any], None]) -> None:
+def _store(group: list[_Leaf], entry: Callable[[str, Any, str], None], tensor_type: Any) -> None:
     """Write one storage's entry and fill in the tags of the tensors on it."""
     first, nbytes = group[0].tensor, group[0].nbytes
-    if len(group) == 1 and _plain(first) and _is_whole(first, nbytes):
+    if len(group) == 1 and _plain(first, tensor_type) and _is_whole(first, nbytes):
         group[0].ref["$t"] = group[0].key  # the common case: a tensor with its own storage
-        entry(group[0].key, first)
+        entry(group[0].key, first, group[0].dtype)
         return
     # Stored as the tensor that covers the whole storage, if one does, else as
     # the storage's bytes, in the dtype of the tensors on it if they agree.
@@ -311,13 +321,13 @@ def _store(group: list[_Leaf], entry: Callable[[str, Any], None]) -> None:
         else:
             data = torch.empty(0, dtype=torch.uint8, device=first.device).set_(
                 first.untyped_storage(), 0, (nbytes,), (1,))  # fmt: skip
-    entry(base, data)
+    entry(base, data, st_dtype(data.dtype))
     for leaf in group:
         t = leaf.tensor
-        if leaf is whole and _plain(t):
+        if leaf is whole and _plain(t, tensor_type):
             leaf.ref["$t"] = leaf.key
             continue
-        view: dict[str, Any] = {"key": leaf.key, "of": base, "dtype": st_dtype(t.dtype), "shape": list(t.shape),
+        view: dict[str, Any] = {"key": leaf.key, "of": base, "dtype": leaf.dtype, "shape": list(t.shape),
                                 "stride": list(t.stride()), "offset": int(t.storage_offset())}  # fmt: skip
         if not t.is_cpu:
             view["device"] = str(t.device)
