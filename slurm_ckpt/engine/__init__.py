@@ -237,7 +237,7 @@ class Engine:
     ) -> Any:
         """The state of a committed checkpoint, read in parallel and verified as read.
 
-        Tensors come back as ``torch.load`` gives them (``store/codec.py``);
+        Tensors come back as ``torch.load`` gives them (``store/codec/``);
         with ``mmap``, on windows of the mapped files. ``into``: a state shaped
         like the saved one whose tensors are loaded into, in place where the
         reader can (see ``reader``), matched by where they sit in it.

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..store.codec import array_tensor, copied_into, encode_state, is_dtensor, path_parts
+from ..store.codec import array_tensor, copied_into, encode_state, into_tree, is_dtensor, path_parts
 from ..store.writer import OBJECTS_FILE, STATE_FILE
 
 __all__ = ["PER_RANK", "Prepared", "Ranks", "Split", "holds_dtensor", "prepare", "refs", "split"]
@@ -68,14 +68,14 @@ class Split:
     """DCP key (the flattened name, as DCP's own ``model.0.weight``) -> tensor or DTensor."""
     objects: list[Any]
     copied: dict[str, Any]
-    """Split to be matched: the arrays loaded through copies, by key (``EncodedState.copied``)."""
+    """Split to be matched: the arrays loaded through copies, by key (``IntoTree.copied``)."""
 
 
 def split(state: Any, *, allow_pickle: bool = False, stored: bool = True) -> Split:
     """The state's values as a JSON tree whose tensors are ``{"$t": key}`` references.
 
-    The same tensor object at two places (tied weights) is one key. ``stored``: as
-    :func:`~slurm_ckpt.store.codec.encode_state`'s.
+    The same tensor object at two places (tied weights) is one key. ``stored``: false
+    for ``into=``, split to be matched (:func:`~slurm_ckpt.store.codec.into_tree`), not stored.
     """
     tensors: dict[str, Any] = {}
     copied: dict[str, Any] = {}
@@ -94,7 +94,9 @@ def split(state: Any, *, allow_pickle: bool = False, stored: bool = True) -> Spl
         by_id[id(t)] = key
         return key
 
-    enc = encode_state(state, allow_pickle=allow_pickle, refer=refer, stored=stored)
+    if not stored:
+        return Split(into_tree(state, refer=refer).tree, tensors, [], copied)
+    enc = encode_state(state, allow_pickle=allow_pickle, refer=refer)
     return Split(enc.tree, tensors, enc.objects, copied)
 
 

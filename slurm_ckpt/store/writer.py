@@ -11,19 +11,10 @@ import pickle
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..errors import CheckpointCorrupt, ConfigError, UnsafeLoad, storage_error
-from .codec import (
-    EncodedState,
-    decode_state,
-    encode_state,
-    match_into,
-    overlapping,
-    tensor_refs,
-    torch_dtype_name,
-    transposed,
-)
+from .codec import EncodedState, decode_state, plan_into, refuse_meta
 from .fsutil import write_file_durably
 from .manifest import Manifest
 from .tensorfile import FileRecord, read_tensors, write_tensor_file
@@ -125,7 +116,7 @@ def load_state(
         tree = json.loads((ckpt / STATE_FILE).read_bytes())
     except OSError as e:
         raise storage_error(e, "cannot read state", ckpt / STATE_FILE) from e
-    targets, whole, copied, shared = _into_targets(ckpt, man, tree, into)
+    targets, whole, copied, shared = plan_into(ckpt, tree, into, man.tensors)
     place = placement(map_location)
     by_file: dict[str, list[str]] = {}
     for key, info in man.tensors.items():
@@ -170,78 +161,3 @@ def placement(map_location: Any) -> Callable[[str], str]:
         )
     device = str(map_location)
     return lambda saved: device
-
-
-def refuse_meta(ckpt: Path, key: str, t: Any) -> None:
-    """A tensor on the meta device has no memory: copying into it does nothing, and
-    a load into it would hand it back unchanged."""
-    if t.is_meta:
-        raise ValueError(
-            f"cannot load {key!r} of {ckpt} into a tensor on the meta device, which has no memory: "
-            "load without into= and pass the result to model.load_state_dict(..., assign=True), "
-            "or materialize the model first (model.to_empty(device='cpu'))"
-        )
-
-
-class _Into(NamedTuple):
-    """What a load ``into=`` fills, by the saved tensors' keys."""
-
-    targets: dict[str, Any]
-    """``into``'s tensors, in ``into``'s order."""
-    whole: set[str]
-    """Those stored whole and of the saved dtype: a reader may fill them in place."""
-    copied: dict[str, Any]
-    """The arrays that get their targets' values (``EncodedState.copied``)."""
-    shared: set[str]
-    """Those copied in last, in ``into``'s order: their memory overlaps another's."""
-
-
-def _into_targets(ckpt: Path, man: Manifest, tree: Any, into: Any) -> _Into:
-    """The targets of ``into``, each checked against the saved tensor at its place."""
-    if into is None:
-        return _Into({}, set(), {}, set())
-    matched = encode_state(into, allow_pickle=True, prepare=lambda t: t, stored=False)
-    targets, copied = match_into(ckpt, tree, matched.tree, matched.leaves, matched.copied)
-    flipped: set[str] = set()
-    saved = tensor_refs(tree, flipped)
-    for key in flipped & targets.keys():
-        # A NumPy array saved in Fortran order is stored as its transpose: the target
-        # (in its own shape, whatever its order) is filled through its transpose.
-        targets[key] = transposed(targets[key])
-    whole = set()
-    for key, t in targets.items():
-        refuse_meta(ckpt, key, t)
-        view = saved[key]
-        info = view if view is not None else man.tensors.get(key, {})
-        shape = list(info.get("shape", []))
-        if list(t.shape) != shape:
-            raise ValueError(
-                f"cannot load {key!r} of {ckpt} into the tensor given for it: the checkpoint holds "
-                f"{torch_dtype_name(info.get('dtype'))} {shape}, the tensor is {t.dtype} {list(t.shape)}; "
-                "pass a state shaped like the saved one, or load without into="
-            )
-        # Of another dtype (a model cast since the save), it is copied into, and so
-        # cast, once read, as load_state_dict and DCP cast.
-        if view is None and torch_dtype_name(info.get("dtype")) == str(t.dtype):
-            whole.add(key)
-    # A view tied in into as it was when saved (a model's tied head, in its embedding's
-    # memory) gets its values with its base's, in whatever order: it does not keep the
-    # base from being read in place.
-    tied = {key: rec["of"] for key, rec in saved.items()
-            if rec is not None and key in targets and _tied_as_saved(targets[key], rec, targets, whole)}  # fmt: skip
-    shared = overlapping({k: t for k, t in targets.items() if k not in tied})
-    shared |= {key for key, base in tied.items() if base in shared}
-    return _Into(targets, whole, copied, shared)
-
-
-def _tied_as_saved(t: Any, rec: dict[str, Any], targets: dict[str, Any], whole: set[str]) -> bool:
-    """Whether target ``t`` of a ``$view`` record lies in its base's target just where
-    the view lay in its base: as memory, the same tensor as the base's read gives it."""
-    base = targets.get(rec["of"])
-    if base is None or rec["of"] == rec["key"] or rec["of"] not in whole or rec.get("conj") or rec.get("neg"):
-        return False
-    if not base.is_contiguous() or any(x.is_conj() or x.is_neg() for x in (t, base)):
-        return False  # its memory is not laid out as the saved storage's bytes
-    return (t.dtype == base.dtype and torch_dtype_name(rec["dtype"]) == str(t.dtype) and t.device == base.device
-            and list(t.stride()) == rec["stride"]
-            and t.data_ptr() == base.data_ptr() + rec["offset"] * t.element_size())  # fmt: skip

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import dataclasses
 import datetime
@@ -18,7 +17,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import uuid
 import warnings
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator
@@ -344,131 +342,6 @@ def test_numpy_arrays_keep_their_shape_and_a_masked_one_is_not_stored_as_a_plain
     assert all(np.array_equal(got[k], a) and got[k].dtype == a.dtype for k, a in odd.items())
 
 
-# (array, what the refusal says to store, that done, how it says to get the array back)
-_ODD_ARRAYS = {
-    "big_endian": (np.arange(3, dtype=">f4"), "a.astype(a.dtype.newbyteorder('='))",
-                   lambda a: a.astype(a.dtype.newbyteorder("=")), lambda got, a: got.astype(a.dtype)),
-    "datetimes": (np.array(["2026-12-02", "2027-01-01"], "M8[D]"), "a.view('int64') and str(a.dtype)",
-                  lambda a: {"v": a.view("int64"), "dtype": str(a.dtype)}, lambda got, a: got["v"].view(got["dtype"])),
-    "strings": (np.array([["ab", "c"], ["d", "ef"]], dtype="<U7"), "a.tolist(), str(a.dtype) and a.shape",
-                lambda a: {"v": a.tolist(), "dtype": str(a.dtype), "shape": a.shape},
-                lambda got, a: np.array(got["v"], dtype=got["dtype"]).reshape(got["shape"])),
-    # One record: NumPy calls its fields contiguous, with the record's size as their stride.
-    "fields": (np.array([(1.5, 2)], dtype=[("x", "<f4"), ("n", "<i8")]), "each field (a['name'])",
-               lambda a: {n: a[n] for n in a.dtype.names},
-               lambda got, a: np.rec.fromarrays([got[n] for n in a.dtype.names], dtype=a.dtype).view(np.ndarray)),
-    "long_double": (np.array([1.0, 1 / 3], dtype=np.longdouble), "np.ascontiguousarray(a).reshape(-1).view(np.uint8)",
-                    lambda a: {"b": np.ascontiguousarray(a).reshape(-1).view(np.uint8), "shape": a.shape},
-                    lambda got, a: got["b"].view(np.dtype(a.dtype.str)).reshape(got["shape"])),
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("kind", _ODD_ARRAYS)
-def test_an_array_no_tensor_holds_is_refused_naming_its_dtype_and_a_fix_that_gives_it_back(kind: str) -> None:
-    a, named, fix, back = _ODD_ARRAYS[kind]
-    with pytest.raises(UnsupportedValue) as refused:
-        encode_state({"a": a})
-    assert f"a NumPy array of dtype {a.dtype} safely; store " in str(refused.value), str(refused.value)
-    assert named in str(refused.value), str(refused.value)
-    got = back(round_trip({"a": fix(a)})["a"], a)
-    assert got.dtype == a.dtype and got.shape == a.shape and got.tobytes() == a.tobytes()
-
-
-def advice(state: Any, pattern: str) -> tuple[str, ...]:
-    """The parts of the fix that refusing ``state`` names, as ``pattern``'s groups find them."""
-    with pytest.raises(UnsupportedValue) as refused:
-        encode_state(state)
-    named = re.search(pattern, str(refused.value))
-    assert named, str(refused.value)
-    return named.groups()
-
-
-@pytest.mark.parametrize("a", [
-    np.array(1 / 3, dtype=np.longdouble),  # 0-dim: views as no bytes as it is
-    np.arange(4, dtype=np.longdouble) / 3,
-    (np.arange(12, dtype=np.longdouble) / 7).reshape(3, 4).T,  # Fortran order
-    (np.arange(12, dtype=np.longdouble) / 7).reshape(3, 4)[:, ::2],  # strided
-    (np.arange(6, dtype=np.clongdouble) * (1 + 1j) / 7).reshape(2, 3)[::-1],
-], ids=["0d", "1d", "transposed", "sliced", "complex_reversed"])  # fmt: skip
-def test_following_the_long_double_advice_gives_back_every_bit_at_any_rank_and_order(a: np.ndarray) -> None:
-    store, back = advice({"a": a}, r"store its bytes, (.+?), and a\.shape, and view them back with (\S+) after loading")
-    got = round_trip({"b": eval(store, {"a": a, "np": np}), "shape": a.shape})  # the message's own expressions
-    loaded = eval(f"b{back}", {"b": got["b"], "shape": got["shape"], "np": np})
-    assert loaded.dtype == a.dtype and loaded.shape == a.shape and loaded.tobytes() == a.tobytes()
-
-
-@pytest.mark.parametrize("a", [
-    np.array(["ab", "c"], dtype="<U7"),  # np.array(a.tolist()) alone gives <U2
-    np.array([[b"ab"], [b"c\x00"]], dtype="S5"),  # tolist() drops the trailing NUL; the width puts it back
-    np.array("xy", dtype="<U3"),
-    np.array([b"abc", b"d"], dtype="V3"),
-    np.zeros((0, 3), dtype="<U2"),  # tolist() gives [] for any first dimension of 0
-], ids=["str", "bytes", "str_0d", "void", "empty_2d"])  # fmt: skip
-def test_following_the_string_array_advice_gives_back_its_width_and_shape(a: np.ndarray) -> None:
-    values, dtype, shape, rebuild = advice(
-        {"a": a}, r"store (a\.tolist\(\)), (\S+) and (a\.shape), and rebuild it with (.+) after loading")
-    got = round_trip({"v": eval(values, {"a": a}), "dtype": eval(dtype, {"a": a}), "shape": eval(shape, {"a": a})})
-    back = eval(rebuild, {"np": np, "values": got["v"], "dtype": got["dtype"], "shape": got["shape"]})
-    assert back.dtype == a.dtype and back.shape == a.shape and back.tobytes() == a.tobytes()
-
-
-def test_an_object_array_is_told_its_tolist_alone() -> None:
-    # Its dtype is "object", which has no width to keep: np.array(values, dtype=object) gains nothing.
-    with pytest.raises(UnsupportedValue, match=r"^/a: cannot store a NumPy array of dtype object safely; "
-                                               r"store a\.tolist\(\), or pass"):  # fmt: skip
-        encode_state({"a": np.array([1, "a"], dtype=object)})
-
-
-_NP_DTYPES = {
-    "plain": np.dtype("<U7"),
-    "big_endian": np.dtype(">i2"),
-    "datetime": np.dtype("M8[s]"),
-    "fields": np.dtype([("a", "<i4"), ("b", "<f8")]),  # its .str is |V12: no fields
-    "padded": np.dtype({"names": ["a", "b"], "formats": ["<i4", "<f8"], "offsets": [0, 8], "itemsize": 24}),
-    "aligned": np.dtype([("a", "<i4"), ("b", "<f8")], align=True),
-    "nested": np.dtype([("a", "<i4", (2, 3)), ("b", [("c", "<f4")])]),
-}
-
-
-@pytest.mark.parametrize("kind", _NP_DTYPES)
-def test_following_the_dtype_advice_gives_back_the_dtype_with_its_fields(kind: str) -> None:
-    # np.dtype() of a padded one's .descr makes fields of its padding: it is not what the message names.
-    dt = _NP_DTYPES[kind]
-    with pytest.raises(UnsupportedValue) as refused:
-        encode_state({"d": dt})
-    msg = str(refused.value)
-    named = re.search(r"^/d: cannot store a NumPy dtype safely; store its \.(\w+) and rebuild it with ([\w.]+)\(\) "
-                      r"after loading, or pass", msg)  # fmt: skip
-    assert named, msg
-    attr, rebuild = named.groups()
-    back = eval(rebuild, {"np": np})(round_trip({"d": getattr(dt, attr)})["d"])
-    assert back == dt and back.descr == dt.descr
-
-
-@pytest.mark.parametrize("dt", [
-    np.dtype(("<f4", (2, 3))),
-    np.dtype((_NP_DTYPES["padded"], (2,))),  # a subarray of records with padding
-], ids=["plain", "padded_records"])  # fmt: skip
-def test_following_the_subarray_dtype_advice_gives_back_its_base_and_shape(dt: np.dtype) -> None:
-    # Its .str and .descr are '|V24': neither has the base or the shape.
-    store, shape, rebuild = advice({"d": dt}, r"store (\S+) and (d\.shape), and rebuild it with (.+) after loading")
-    got = round_trip({"descr": eval(store, {"d": dt, "np": np}), "shape": eval(shape, {"d": dt})})
-    back = eval(rebuild, {"np": np, "descr": got["descr"], "shape": got["shape"]})
-    assert back == dt and back.base.descr == dt.base.descr and back.shape == dt.shape
-
-
-@pytest.mark.parametrize("dt", [
-    _NP_DTYPES["fields"],
-    _NP_DTYPES["padded"],
-    _NP_DTYPES["nested"],  # its .descr holds lists
-    np.dtype(("<f4", (2, 3))),  # a subarray
-], ids=["fields", "padded", "nested", "subarray"])  # fmt: skip
-def test_a_dtype_key_with_parts_its_str_lacks_is_told_a_hashable_form_it_is_rebuilt_from(dt: np.dtype) -> None:
-    key, rebuild = advice({"by": {dt: 1}}, r"key it by (.+?) instead, and rebuild it with (.+) after loading")
-    (loaded,) = round_trip({"by": {eval(key, {"k": dt}): 1}})["by"]
-    assert eval(rebuild, {"np": np, "ast": ast, "key": loaded}) == dt
-
-
 def layout(a: np.ndarray) -> tuple[Any, ...]:
     return a.dtype, a.shape, a.strides, a.flags.c_contiguous, a.flags.f_contiguous, a.tobytes(order="A")
 
@@ -570,12 +443,6 @@ def test_a_malformed_tag_is_a_corrupt_checkpoint(tag: dict[str, Any]) -> None:
     # fail as damage (skipped for an older checkpoint), never build something else.
     with pytest.raises(CheckpointCorrupt, match=r"state\.json"):
         decode_state({"x": tag}, lambda key: torch.zeros(2), None)  # every entry: 2 floats
-
-
-def test_a_numpy_scalar_no_kind_stores_is_refused(tmp_path: Path) -> None:
-    void = np.zeros(1, dtype=[("x", "i4")])[0]
-    with Checkpointer(tmp_path) as ck, pytest.raises(UnsupportedValue, match=r"/v: cannot store a void.*allow_pickle"):
-        ck.save({"v": void}, step=1)
 
 
 class Opaque:
@@ -681,58 +548,6 @@ def test_following_the_bytes_advice_gives_back_every_bit_at_any_rank(name: str, 
     assert torch.equal(loaded.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
 
 
-@pytest.mark.filterwarnings("ignore:torch.quantize_per:UserWarning")  # deprecated, not gone
-def test_a_quantized_tensor_is_refused_naming_a_fix_that_does_not_crash(tmp_path: Path) -> None:
-    # The bytes' view the other refused dtypes are told to store kills the process for
-    # these (a segfault in torch 2.13): the message names their own parts instead.
-    q = torch.quantize_per_tensor(torch.randn(6), 0.05, 3, torch.quint8)
-    wide = torch._make_per_tensor_quantized_tensor(torch.tensor([30_000_001, -5], dtype=torch.int32), 0.5, 0)
-    per_channel = torch.quantize_per_channel(torch.randn(2, 3), torch.tensor([0.1, 0.2]), torch.tensor([0, 1]), 0,
-                                             torch.qint8)  # fmt: skip
-    nibbles = torch.quantize_per_tensor(torch.rand(6), 0.07, 1, torch.quint4x2)  # int_repr() packs two a byte
-    with Checkpointer(tmp_path) as ck:
-        for key, t, part in (("q", q, "int_repr"), ("wide", wide, "int_repr"), ("pc", per_channel, "int_repr"),
-                             ("nibbles", nibbles, "dequantize")):  # fmt: skip
-            with pytest.raises(UnsupportedValue, match=rf"^/{key}: tensor dtype {str(t.dtype)[6:]} cannot be "
-                                                       rf"stored: store t\.{part}\(\) and its quantization") as e:  # fmt: skip
-                ck.save({key: t}, step=1)
-            assert ".view(" not in str(e.value)
-        # What the messages say: the integers (or values) and the quantization, rebuilt once loaded.
-        ck.save({"q": [q.int_repr(), q.q_scale(), q.q_zero_point()],
-                 "wide": [wide.int_repr(), wide.q_scale(), wide.q_zero_point()],
-                 "pc": [per_channel.int_repr(), per_channel.q_per_channel_scales(),
-                        per_channel.q_per_channel_zero_points(), per_channel.q_per_channel_axis()],
-                 "nibbles": [nibbles.dequantize(), nibbles.q_scale(), nibbles.q_zero_point()]}, step=1)  # fmt: skip
-        got = ck.load_latest()
-    back = {"q": torch._make_per_tensor_quantized_tensor(*got["q"]),
-            "wide": torch._make_per_tensor_quantized_tensor(*got["wide"]),
-            "pc": torch._make_per_channel_quantized_tensor(*got["pc"]),
-            "nibbles": torch.quantize_per_tensor(*got["nibbles"], torch.quint4x2)}  # fmt: skip
-    for key, was in (("q", q), ("wide", wide), ("pc", per_channel), ("nibbles", nibbles)):
-        now = back[key]
-        assert now.dtype == was.dtype and now.qscheme() == was.qscheme(), key
-        assert torch.equal(now.int_repr(), was.int_repr()) and torch.equal(now.dequantize(), was.dequantize()), key
-    # Why not dequantize() for the others: float32 cannot hold every qint32.
-    lossy = torch.quantize_per_tensor(wide.dequantize(), wide.q_scale(), wide.q_zero_point(), torch.qint32)
-    assert not torch.equal(lossy.int_repr(), wide.int_repr())
-
-
-class _Config:
-    pass
-
-
-class _Lazy:
-    def __getattr__(self, name: str) -> Any:
-        raise KeyError(name)  # a config that looks names up: not an AttributeError
-
-
-class _Strict(type):
-    def __getattr__(cls, name: str) -> Any:
-        raise KeyError(name)
-
-
-class _OfAStrictClass(metaclass=_Strict):
-    pass
 
 
 @dataclasses.dataclass
@@ -740,48 +555,112 @@ class TrainConfig:
     lr: float = 0.1
 
 
-def _objects_with_a_safe_part() -> dict[str, tuple[Any, str]]:
-    model = torch.nn.Linear(2, 2)
-    opt = torch.optim.AdamW(model.parameters())
-    state_dict = "store its state_dict() and restore it with load_state_dict()"
-    get_state = "store its get_state() and restore it with set_state()"
+class _Lazy:
+    def __getattr__(self, name: str) -> Any:
+        raise KeyError(name)  # a config that looks names up: not an AttributeError
+
+
+def one_sentence(msg: str) -> bool:
+    return re.search(r"[.!?]\s+[A-Z]", msg) is None
+
+
+def _rare_values() -> dict[str, tuple[Any, str]]:
+    """Values with no safe form and no advice of their own (docs/loading.md's table has
+    it): each, and the type its refusal names."""
     return {
-        "model": (model, state_dict),
-        "optimizer": (opt, state_dict),
-        "scheduler": (torch.optim.lr_scheduler.StepLR(opt, 2), state_dict),
-        "scaler": (torch.amp.GradScaler("cpu"), state_dict),
-        "generator": (torch.Generator().manual_seed(1), get_state),
-        "numpy_random_state": (np.random.RandomState(1), get_state),
-        "numpy_generator": (np.random.default_rng(1), "store its bit_generator.state and restore it by assigning that"),
-        "config": (TrainConfig(), "store dataclasses.asdict() of it"),
-        "point": (collections.namedtuple("Point", "x y")(1, 2), "store its _asdict() or tuple() of it"),
-        "strategy": (enum.Enum("Strategy", "STEPS EPOCH").STEPS, "store its .value or .name"),
-        "started": (datetime.datetime(2026, 12, 3, 9, 30), "store its isoformat()"),
-        "budget": (datetime.timedelta(hours=4), "store its total_seconds()"),
-        "frozen": (frozenset({1}), "store set() of it"),
-        "recent": (collections.deque([1, 2], maxlen=10), "store list() of it"),
-        "python_random": (random.Random(1), "store its getstate() and restore it with setstate()"),
-        "other": (_Config(), "convert it to tensors and plain values"),
-        "lazy": (_Lazy(), "convert it to tensors and plain values"),
-        "a_class": (torch.nn.Linear, "convert it to tensors and plain values"),
-        "of_a_strict_class": (_OfAStrictClass(), "convert it to tensors and plain values"),
-        "layout": (torch.sparse_coo, "store str() of it and rebuild it with getattr(torch, "
-                                     "s.removeprefix('torch.')) after loading"),
-        "qscheme": (torch.per_channel_affine, "store str() of it and rebuild it with getattr(torch, "
-                                              "s.removeprefix('torch.')) after loading"),
-        "memory_format": (torch.channels_last, "store str() of it and rebuild it with getattr(torch, "
-                                               "s.removeprefix('torch.')) after loading"),
-        "system_random": (random.SystemRandom(), "convert it to tensors and plain values"),  # it has no state
-        "a_module": (random, "convert it to tensors and plain values"),
+        "masked_array": (np.ma.masked_array([1.0, 2.0], mask=[False, True]), "MaskedArray"),
+        "big_endian_array": (np.arange(3, dtype=">f4"), "dtype >f4"),
+        "string_array": (np.array(["ab", "c"]), "dtype <U2"),
+        "datetime_array": (np.array(["2026-12-02"], "M8[D]"), "dtype datetime64[D]"),
+        "record_array": (np.zeros(2, dtype=[("x", "<f4"), ("n", "<i8")]), "dtype [('x'"),
+        "long_double_array": (np.zeros(2, dtype=np.longdouble), f"dtype {np.dtype(np.longdouble)}"),
+        "object_array": (np.array([1, "a"], dtype=object), "dtype object"),
+        "numpy_dtype": (np.dtype([("a", "<i4")]), "dtype"),
+        "numpy_void_scalar": (np.zeros(1, dtype=[("x", "i4")])[0], "void"),
+        "torch_generator": (torch.Generator().manual_seed(1), "Generator"),
+        "numpy_random_state": (np.random.RandomState(1), "RandomState"),
+        "numpy_generator": (np.random.default_rng(1), "Generator"),
+        "python_random": (random.Random(1), "Random"),
+        "dataclass": (TrainConfig(), "TrainConfig"),
+        "named_tuple": (collections.namedtuple("Point", "x y")(1, 2), "Point"),
+        "enum": (enum.Enum("Strategy", "STEPS").STEPS, "Strategy"),
+        "datetime": (datetime.datetime(2026, 12, 3, 9, 30), "datetime"),
+        "frozenset": (frozenset({1}), "frozenset"),
+        "deque": (collections.deque([1, 2], maxlen=10), "deque"),
+        "torch_layout": (torch.sparse_coo, "layout"),
+        "memory_format": (torch.channels_last, "memory_format"),
+        "a_class": (torch.nn.Linear, "type"),
+        "a_module": (random, "module"),
+        "object_of_your_own": (Opaque(1), "Opaque"),
+        "raising_getattr": (_Lazy(), "_Lazy"),
     }
 
 
-@pytest.mark.parametrize("key", list(_objects_with_a_safe_part()))
-def test_an_object_with_no_safe_form_is_refused_naming_what_to_store_instead(key: str) -> None:
-    obj, fix = _objects_with_a_safe_part()[key]
-    with pytest.raises(UnsupportedValue, match=rf"^/state/{key}: cannot store an? \w+ safely; "
-                                               + re.escape(fix + ", or pass allow_pickle=True (trusted input only)") + "$"):  # fmt: skip
-        encode_state({"state": {key: obj}})
+@pytest.mark.parametrize("key", list(_rare_values()))
+def test_a_rare_value_is_refused_naming_its_path_and_type_and_pickles_when_allowed(key: str) -> None:
+    value, named = _rare_values()[key]
+    with pytest.raises(UnsupportedValue) as refused:
+        encode_state({"state": {key: value}})
+    msg = str(refused.value)
+    assert msg.startswith(f"/state/{key}: ") and named in msg and one_sentence(msg), msg
+    assert "allow_pickle=True" in msg, msg
+    assert len(encode_state({"state": {key: value}}, allow_pickle=True).objects) == 1  # the escape hatch
+
+
+def _rare_tensors() -> dict[str, tuple[Any, str]]:
+    """Tensors with no plain storage or no stored dtype: each, and the layout or dtype its refusal names."""
+    dense = torch.eye(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CSC, the block layouts and quantize_per_* warn in some torch releases
+        out = {
+            "sparse_coo": (dense.to_sparse(), "torch.sparse_coo"),
+            "sparse_csr": (dense.to_sparse_csr(), "torch.sparse_csr"),
+            "sparse_bsr": (dense.to_sparse_bsr((2, 2)), "torch.sparse_bsr"),
+            "nested": (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
+            "quint8": (torch.quantize_per_tensor(torch.randn(6), 0.05, 3, torch.quint8), "quint8"),
+            "qint8_per_channel": (torch.quantize_per_channel(torch.randn(2, 3), torch.tensor([0.1, 0.2]),
+                                                             torch.tensor([0, 1]), 0, torch.qint8), "qint8"),
+            "quint4x2": (torch.quantize_per_tensor(torch.rand(6), 0.07, 1, torch.quint4x2), "quint4x2"),
+        }  # fmt: skip
+        if torch.backends.mkldnn.is_available():
+            out["mkldnn"] = (dense.to_mkldnn(), "torch._mkldnn")
+    return out
+
+
+@pytest.mark.parametrize("key", list(_rare_tensors()))
+def test_a_rare_tensor_is_refused_naming_its_path_and_layout_or_dtype(key: str) -> None:
+    t, named = _rare_tensors()[key]
+    with pytest.raises(UnsupportedValue) as refused:
+        encode_state({"model": {key: t}}, allow_pickle=True)  # tensors are never pickled
+    msg = str(refused.value)
+    assert msg.startswith(f"/model/{key}: ") and named in msg and one_sentence(msg), msg
+    # The bytes' view that other dtypes with no stored form are told of kills the process for these.
+    if named.startswith(("qint", "quint")):
+        assert ".view(" not in msg, msg
+
+
+# What trainers hold by mistake, and the one fix their refusal names.
+_KEPT_ADVICE = {
+    "module": (lambda: torch.nn.Linear(2, 2), "Linear", "state_dict()"),
+    "optimizer": (lambda: torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), "SGD", "state_dict()"),
+    "scaler": (lambda: torch.amp.GradScaler("cpu"), "GradScaler", "state_dict()"),
+    "meta": (lambda: torch.empty(3, device="meta"), "meta device", "to_empty("),
+    "lazy": (lambda: torch.nn.LazyLinear(3).weight, "lazy module", "forward pass"),
+    **({"complex32": (lambda: torch.ones(2, dtype=torch.complex32), "complex32", "view(torch.uint8)")}
+       if hasattr(torch, "complex32") else {}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("key", _KEPT_ADVICE)
+def test_a_value_trainers_hold_by_mistake_is_refused_naming_its_path_type_and_fix(key: str) -> None:
+    make, named, fix = _KEPT_ADVICE[key]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # lazy modules are "experimental"
+        value = make()
+    with pytest.raises(UnsupportedValue) as refused:
+        encode_state({"state": {key: value}})
+    msg = str(refused.value)
+    assert msg.startswith(f"/state/{key}: ") and named in msg and fix in msg and one_sentence(msg), msg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -790,45 +669,25 @@ class RunKey:
     seed: int
 
 
-# The fix each value is told (set(), dataclasses.asdict(), _asdict()) cannot be a dict key.
-_BAD_KEYS = {
-    "frozenset": (frozenset({2, 1}), "tuple(sorted(k, key=repr))", (1, 2)),
-    "mixed_frozenset": (frozenset({1, "a"}), "tuple(sorted(k, key=repr))", ("a", 1)),  # sorted(k) raises
-    "dataclass": (RunKey("base", 3), "dataclasses.astuple(k)", ("base", 3)),
-    "named_tuple": (collections.namedtuple("Pair", "x y")(1, 2), "tuple(k)", (1, 2)),
-}
-
-
-@pytest.mark.parametrize("kind", _BAD_KEYS)
-def test_a_key_is_refused_naming_the_key_and_a_fix_that_can_be_a_key(kind: str) -> None:
-    k, fix, fixed = _BAD_KEYS[kind]
-    with pytest.raises(UnsupportedValue, match=rf"^/seen, the key {re.escape(repr(k))}: cannot store an? \w+ safely; "
-                                               rf"key it by {re.escape(fix)} instead, or pass") as refused:  # fmt: skip
+@pytest.mark.parametrize("k", [frozenset({2, 1}), RunKey("base", 3), collections.namedtuple("Pair", "x y")(1, 2),
+                               np.dtype([("a", "<i4")]), object()], ids=str)  # fmt: skip
+def test_a_key_is_refused_naming_its_path_the_key_and_its_type(k: Any) -> None:
+    with pytest.raises(UnsupportedValue) as refused:
         encode_state({"seen": {k: 3, "n": 1}})
-    named = re.search(r"key it by (.+?) instead", str(refused.value))
-    assert named, str(refused.value)
-    key = eval(named[1], {"k": k, "dataclasses": dataclasses})  # the message's own expression
-    assert key == fixed
-    assert round_trip({"seen": {key: 3, "n": 1}}) == {"seen": {key: 3, "n": 1}}
+    msg = str(refused.value)
+    assert msg.startswith(f"/seen, the key {repr(k)[:60]}") and type(k).__qualname__ in msg, msg
+    assert one_sentence(msg) and "allow_pickle=True" in msg, msg
 
 
 def test_a_value_under_the_key_dollar_key_is_refused_as_a_value_and_a_bad_key_as_a_key() -> None:
     # A "$"-key makes the dict [key, value] pairs: the value's path ends in /$key, as a key's does.
-    with pytest.raises(UnsupportedValue, match=r"^/d/\$key: cannot store a frozenset safely; store set\(\) of it, "):
+    with pytest.raises(UnsupportedValue, match=r"^/d/\$key: .*frozenset"):
         encode_state({"d": {"$key": frozenset({1})}})
-    assert round_trip({"d": {"$key": set(frozenset({1}))}}) == {"d": {"$key": {1}}}
-    with pytest.raises(UnsupportedValue, match=r"^/d, the key <object object at \w+>: cannot store an object safely; "
-                                               r"key it by a str, an int or a tuple of them instead, "):  # fmt: skip
+    with pytest.raises(UnsupportedValue, match=r"^/d, the key <object object at \w+>: .*object"):
         encode_state({"d": {object(): 1}})
 
 
-def test_following_the_refusal_gives_back_torch_s_layouts_memory_formats_and_qschemes() -> None:
-    kinds = [torch.strided, torch.sparse_csr, torch.channels_last, torch.preserve_format, torch.per_tensor_affine]
-    out = round_trip({"kinds": [str(k) for k in kinds]})
-    assert [getattr(torch, s.removeprefix("torch.")) for s in out["kinds"]] == kinds
-
-
-def test_following_the_refusal_resumes_each_generator_where_it_was() -> None:
+def test_generator_states_resume_each_generator_where_it_was() -> None:
     torch_gen, rs, rng = torch.Generator().manual_seed(7), np.random.RandomState(7), np.random.default_rng(7)
     out = round_trip({"torch": torch_gen.get_state(), "rs": rs.get_state(), "rng": rng.bit_generator.state})
     g2, rs2, rng2 = torch.Generator(), np.random.RandomState(0), np.random.default_rng(0)
@@ -890,108 +749,37 @@ for how in ("save", "copy", "fork", "overlap", "lazy", "sharded"):
     assert not list(tmp_path.glob("step-*")), "a refused save must not commit anything"
 
 
-SPARSE = {
-    "coo": lambda d: d.to_sparse(),
-    "csr": lambda d: d.to_sparse_csr(),
-    "csc": lambda d: d.to_sparse_csc(),
-    "bsr": lambda d: d.to_sparse_bsr((2, 2)),
-    "bsc": lambda d: d.to_sparse_bsc((2, 2)),
+
+
+# Every layout torch has, and how to make a tensor of it.
+_LAYOUTS = {
+    "strided": lambda d: d,
+    "sparse_coo": lambda d: d.to_sparse(),
+    "sparse_csr": lambda d: d.to_sparse_csr(),
+    "sparse_csc": lambda d: d.to_sparse_csc(),
+    "sparse_bsr": lambda d: d.to_sparse_bsr((2, 2)),
+    "sparse_bsc": lambda d: d.to_sparse_bsc((2, 2)),
+    "_mkldnn": lambda d: d.to_mkldnn(),
+    "jagged": lambda d: torch.nested.nested_tensor(list(d), layout=torch.jagged),
 }
 
 
-@pytest.mark.parametrize("layout", SPARSE)
-def test_following_the_sparse_refusal_gives_back_the_tensor_from_its_parts(layout: str) -> None:
-    gen = torch.Generator().manual_seed(3)
-    dense = torch.randn(6, 8, generator=gen) * (torch.rand(6, 8, generator=gen) < 0.3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # CSC and the block layouts are "beta" in torch
-        t = SPARSE[layout](dense)
-        with pytest.raises(UnsupportedValue) as refused:
-            encode_state({"w": t})
-        msg = str(refused.value)
-        assert "store t.to_dense(), or, smaller, " in msg, msg
-        if t.layout == torch.sparse_coo:
-            assert "the indices() and values() of t.coalesce(), and t.shape; rebuild it with " \
-                   "torch.sparse_coo_tensor(indices, values, shape)" in msg, msg
-            c = t.coalesce()
-            out = round_trip({"indices": c.indices(), "values": c.values(), "shape": list(t.shape)})
-            back = torch.sparse_coo_tensor(out["indices"], out["values"], out["shape"])
-        else:  # the parts the message names, stored and rebuilt as it says
-            named = re.search(r"t\.(\w+)_indices\(\), t\.(\w+)_indices\(\), t\.values\(\) and t\.shape; rebuild it "
-                              r"with torch\.sparse_compressed_tensor\(\1_indices, \2_indices, values, shape, "
-                              r"layout=torch\.(\w+)\)$", msg)  # fmt: skip
-            assert named, msg
-            compressed, plain, name = named.groups()
-            out = round_trip({"c": getattr(t, f"{compressed}_indices")(), "p": getattr(t, f"{plain}_indices")(),
-                              "v": t.values(), "shape": list(t.shape)})  # fmt: skip
-            back = torch.sparse_compressed_tensor(out["c"], out["p"], out["v"], out["shape"],
-                                                  layout=getattr(torch, name))  # fmt: skip
-    assert back.layout == t.layout
-    assert torch.equal(back.to_dense(), dense)
-
-
-# Every layout torch has: how to make a tensor of it, and what its refusal says to store (None: it is stored).
-_LAYOUTS = {
-    "strided": (lambda d: d, None),
-    "sparse_coo": (lambda d: d.to_sparse(), r"store t\.to_dense\(\), or, smaller, the indices\(\)"),
-    "sparse_csr": (lambda d: d.to_sparse_csr(), r"store t\.to_dense\(\), or, smaller, t\.crow_indices\(\)"),
-    "sparse_csc": (lambda d: d.to_sparse_csc(), r"store t\.to_dense\(\), or, smaller, t\.ccol_indices\(\)"),
-    "sparse_bsr": (lambda d: d.to_sparse_bsr((2, 2)), r"store t\.to_dense\(\), or, smaller, t\.crow_indices\(\)"),
-    "sparse_bsc": (lambda d: d.to_sparse_bsc((2, 2)), r"store t\.to_dense\(\), or, smaller, t\.ccol_indices\(\)"),
-    "_mkldnn": (lambda d: d.to_mkldnn(), r"store t\.to_dense\(\)$"),  # no sparse parts to name
-    "jagged": (lambda d: torch.nested.nested_tensor(list(d), layout=torch.jagged), r"nested tensor.*unbind"),
-}  # fmt: skip
-
-
-def test_every_layout_is_stored_or_refused_with_the_fix_for_its_kind() -> None:
+def test_every_layout_is_stored_or_refused_naming_the_path_and_the_layout() -> None:
     names = {n for n in dir(torch) if isinstance(getattr(torch, n), torch.layout)}
-    assert names <= set(_LAYOUTS), f"layouts with no case here, and maybe no fit refusal: {names - set(_LAYOUTS)}"
+    assert names <= set(_LAYOUTS), f"layouts with no case here, and maybe no refusal: {names - set(_LAYOUTS)}"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # CSC, the block layouts and jagged are "beta" in torch
         for name in sorted(names):
             if name == "_mkldnn" and not torch.backends.mkldnn.is_available():
                 continue  # a torch built without oneDNN makes none
-            make, fix = _LAYOUTS[name]
-            t = make(torch.eye(4))
-            if fix is None:
+            t = _LAYOUTS[name](torch.eye(4))
+            if name == "strided":
                 assert encode_state({"w": t}).tensors, name
                 continue
-            with pytest.raises(UnsupportedValue, match=rf"^/w: .*{fix}"):
+            with pytest.raises(UnsupportedValue) as refused:
                 encode_state({"w": t})
-
-
-def test_following_the_mkldnn_refusal_gives_back_the_tensor() -> None:
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("this torch's CPU build has no oneDNN (mkldnn), so no tensor of layout torch._mkldnn")
-    t = torch.randn(3, 5, generator=torch.Generator().manual_seed(4)).to_mkldnn()
-    with pytest.raises(UnsupportedValue, match=r"^/w: a tensor of layout torch\._mkldnn cannot be stored; store "
-                                               r"t\.to_dense\(\)$") as refused:  # fmt: skip
-        encode_state({"w": t})
-    stored = eval(re.search(r"store (.+)$", str(refused.value))[1], {"t": t})  # the message's own expression
-    back = round_trip({"w": stored})["w"]
-    assert raw(back) == raw(t.to_dense()) and back.to_mkldnn().layout == t.layout
-
-
-@pytest.mark.parametrize(("make", "named"), [
-    (lambda: torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), "an SGD"),
-    (lambda: torch.nn.MSELoss(), "an MSELoss"),
-    (lambda: uuid.uuid4(), "a UUID"),
-    (lambda: torch.nn.Linear(1, 1), "a Linear"),
-    (lambda: Opaque(1), "an Opaque"),
-    # A vowel read as a consonant: "one", "you".
-    (lambda: torch.optim.lr_scheduler.OneCycleLR(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]), 1.0,
-                                                 total_steps=2), "a OneCycleLR"),
-    (lambda: collections.UserDict(), "a UserDict"),
-    (lambda: type("UnigramTable", (), {})(), "a UnigramTable"),
-    (lambda: type("UsualSchedule", (), {})(), "a UsualSchedule"),
-    (lambda: type("EuclideanMetric", (), {})(), "a EuclideanMetric"),
-    # But not in these: un-initialized, and Euler read "oiler".
-    (lambda: type("UninitializedBuffer", (), {})(), "an UninitializedBuffer"),
-    (lambda: type("EulerDiscreteScheduler", (), {})(), "an EulerDiscreteScheduler"),
-])  # fmt: skip
-def test_a_refusal_names_the_type_with_the_article_it_is_read_with(make: Any, named: str) -> None:
-    with pytest.raises(UnsupportedValue, match=rf"^/x: cannot store {named} safely; "):
-        encode_state({"x": make()})
+            msg = str(refused.value)
+            assert msg.startswith("/w: ") and (f"torch.{name}" in msg or "nested" in msg) and one_sentence(msg), msg
 
 
 def test_pickled_objects_load_only_when_trusted(tmp_path: Path) -> None:

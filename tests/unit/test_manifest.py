@@ -67,3 +67,28 @@ def test_the_manifest_and_the_lock_note_name_the_job_as_requeue_does(
         lock.release()
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID")
     assert Manifest(step=1, files={}).job_id == "130"
+
+
+@pytest.mark.parametrize("metadata", [None, {"format": "pt", "note": 'a "quoted" ünïcödé'}])
+@pytest.mark.parametrize("keys", [AWKWARD, [], ["same", "same"]], ids=["awkward-keys", "no-tensors", "a-key-twice"])
+def test_a_data_file_header_is_the_bytes_json_dumps_wrote(keys: list[str], metadata: dict[str, str] | None) -> None:
+    # The header is written as text, entry by entry: it must stay byte for byte
+    # what json.dumps made of the header as a dict, which readers of older files expect.
+    import torch
+
+    from slurm_ckpt.store.codec import TensorEntry
+    from slurm_ckpt.store.tensorfile import build_header
+
+    entries = [TensorEntry(k, torch.zeros(i, 3), "F32", list(torch.Size([i, 3]))) for i, k in enumerate(keys)]
+    entries.append(TensorEntry("0-dim", torch.zeros(()), "BF16", []))
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for e in entries:
+        header[e.key] = {"dtype": e.dtype, "shape": e.shape, "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    want = json.dumps(header, separators=(",", ":")).encode()
+    for phase in (0, 64):
+        got = build_header(entries, metadata, phase=phase)
+        n = int.from_bytes(got[:8], "little")
+        assert got[8 : 8 + len(want)] == want and got[8 + len(want) : 8 + n].strip(b" ") == b""
+        assert (8 + n) % 4096 == phase
