@@ -1,11 +1,16 @@
 """slurm-ckpt: crash-safe, fast, Slurm-aware checkpointing.
 
-The package root is the only public surface::
+The package root is the public surface::
 
     from slurm_ckpt import Checkpointer
     ckpt = Checkpointer()
     state = ckpt.load_latest()
     ckpt.save(state, step=n)
+
+with three public subpackages, each with its own ``__all__``:
+:mod:`slurm_ckpt.dcp` (a DCP storage backend), :mod:`slurm_ckpt.sharded`
+(DTensor states at any world size) and :mod:`slurm_ckpt.integrations`
+(Lightning, Hugging Face). Every other module is internal.
 """
 
 from __future__ import annotations

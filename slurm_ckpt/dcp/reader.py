@@ -92,6 +92,13 @@ class StorageReader(_dcp_storage.StorageReader):
     under DCP's flattened keys (``model.0.weight``), plain values from
     ``state.json`` as DCP byte items (``optim.param_groups``), values that were
     pickled (``allow_pickle``) only with ``trusted=True``.
+
+    As with DCP's ``FileSystemReader``, the ``storage_meta`` of the metadata it
+    reads names the checkpoint by the path the reader was given (``checkpoint``
+    is the dir it resolved) and carries the writer's ``save_id`` and this
+    load's ``load_id``. ``_extension_registry`` is accepted for code written for
+    ``FileSystemReader`` and unused: :class:`StorageWriter` applies no stream
+    extensions.
     """
 
     by_stored_key = False
@@ -101,10 +108,12 @@ class StorageReader(_dcp_storage.StorageReader):
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, search: Sequence[str | os.PathLike[str]] = (),
                  config: Config | None = None, trusted: bool = False,
-                 scratch: str | os.PathLike[str] | bool | None = None) -> None:  # fmt: skip
+                 scratch: str | os.PathLike[str] | bool | None = None, _extension_registry: Any = None) -> None:  # fmt: skip
         super().__init__()
         self.trusted = trusted
         self.path = Path(path).absolute() if path is not None else None
+        self._given = path
+        """The path as the caller named it, for ``storage_meta``."""
         self.search = [Path(p).absolute() for p in search]
         self.scratch: str | Path | bool | None = scratch if isinstance(scratch, bool | None) else Path(scratch)
         self.config = config or load_config()
@@ -123,6 +132,7 @@ class StorageReader(_dcp_storage.StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = Path(checkpoint_id).absolute()
+            self._given = checkpoint_id
         self.checkpoint = self.manifest = None
         self.load_id = uuid.uuid4().hex
 
@@ -151,7 +161,9 @@ class StorageReader(_dcp_storage.StorageReader):
             metadata, self._values = plain_metadata(ckpt, man, trusted=self.trusted)
         self.checkpoint, self.manifest, self._metadata = ckpt, man, metadata
         self._storage = metadata.storage_data
-        metadata.storage_meta = StorageMeta(checkpoint_id=str(ckpt), load_id=self.load_id)
+        written = man.extra.get("dcp")
+        save_id = written.get("save_id") if isinstance(written, dict) else None
+        metadata.storage_meta = StorageMeta(checkpoint_id=self._given, save_id=save_id, load_id=self.load_id)
         return metadata
 
     def _search_dirs(self, path: Path) -> list[Path]:

@@ -35,7 +35,7 @@ import os
 import re
 import socket
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,9 +155,18 @@ class StorageWriter(_dcp_storage.StorageWriter):
         files: Mapping[str, bytes] | None = None,
         extra: Mapping[str, Any] | None = None,
         scratch: str | os.PathLike[str] | bool | None = None,
+        overwrite: bool = True,
+        _extensions: Sequence[Any] | None = None,
     ) -> None:
         """``files`` (small files the coordinator adds, by name) and ``extra`` (manifest
-        fields) let :mod:`slurm_ckpt.sharded` store the state's plain values beside DCP's."""
+        fields) let :mod:`slurm_ckpt.sharded` store the state's plain values beside DCP's.
+
+        ``overwrite`` and ``_extensions`` mean what they do for DCP's ``FileSystemWriter``:
+        with ``overwrite=False`` a save of a step that is already committed (in the run
+        dir or on scratch) fails before anything is written; stream extensions
+        (``ZStandard``) are refused when the save is planned, because chunks are stored
+        as they are, so that each rank can read and verify only its own blocks.
+        """
         super().__init__()
         self.config = config or load_config()
         self.run_dir = Path(run_dir).absolute() if run_dir is not None else None
@@ -171,6 +180,8 @@ class StorageWriter(_dcp_storage.StorageWriter):
         if any(n.startswith("dcp-") or n == MANIFEST or "/" in n for n in self.files):
             raise ValueError(f"file names {sorted(self.files)} clash with the checkpoint's own")
         self.scratch: str | Path | bool | None = scratch if isinstance(scratch, bool | None) else Path(scratch)
+        self.overwrite = overwrite
+        self.extensions = tuple(_extensions or ())
         self.rank = 0
         self.is_coordinator = True
         self.save_id = uuid.uuid4().hex
@@ -218,6 +229,10 @@ class StorageWriter(_dcp_storage.StorageWriter):
             )
         if self.step < 0:
             raise ConfigError(f"step must be >= 0, got {self.step}")
+        if self.extensions:
+            names = ", ".join(type(e).__name__ for e in self.extensions)
+            raise ConfigError(f"slurm_ckpt.dcp stores chunks as they are, for each rank to read and verify only "
+                              f"its own blocks, so it cannot apply DCP's stream extension {names}: leave out _extensions")
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
 
@@ -234,6 +249,12 @@ class StorageWriter(_dcp_storage.StorageWriter):
         # One writer per run dir; taking the lock also removes dead writers' temp dirs.
         run = local.tiers.fast if local is not None and local.tiers is not None else RunDir(self.run_dir, lock_timeout=self.lock_timeout)
         run.lock()
+        if not self.overwrite:
+            there = [d for d in dict.fromkeys([run.path, self.run_dir]) if step_dir(d, self.step).exists()]
+            if there:
+                run.unlock()
+                raise ConfigError(f"Checkpoint already exists: step {self.step} in {there[0]}, and overwrite=False; "
+                                  "save another step, or pass overwrite=True to replace it")  # fmt: skip
         staging = tmp_dir_for(run.path, step_dir(run.path, self.step).name)
         try:
             staging.mkdir(mode=0o755)
@@ -279,7 +300,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
         metadata.storage_meta = self.storage_meta()
         tensors = index_entries(metadata, stored, layouts)
         extra = {**self.extra, "layout": LAYOUT,
-                 "dcp": planner_extra(metadata.planner_data, metadata.version)}  # fmt: skip
+                 "dcp": {**planner_extra(metadata.planner_data, metadata.version), "save_id": self.save_id}}  # fmt: skip
 
         def add_small_files(staging: Path) -> tuple[dict[str, FileRecord], dict[str, Any]]:
             # Every rank fsynced its own file there already; commit() fsyncs the

@@ -8,7 +8,8 @@
   ``load_state`` for an ``accelerate.Accelerator``.
 
 Nothing here is imported by ``import slurm_ckpt``: each framework is imported
-only by its own module.
+only by its own module. Those three modules are public, each with its
+``__all__``; the modules whose names start with ``_`` are internal.
 """
 
 from __future__ import annotations
