@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 __all__ = ["continue_logs", "finishes_now", "logger_versions", "not_whole", "skip_stop_validation"]
 
@@ -75,30 +75,37 @@ def logger_versions(trainer: Trainer) -> list[Any]:
 
 
 def continue_logs(trainer: Trainer, versions: list[Any]) -> None:
-    """Make the CSV loggers of a resumed ``fit`` write into the version directories of
-    the run that saved ``versions``, before ModelCheckpoint's setup puts its default
-    dirpath under one.
+    """Make the CSV and TensorBoard loggers of a resumed ``fit`` write into the version
+    directories of the run that saved ``versions``, before ModelCheckpoint's setup puts
+    its default dirpath under one.
 
-    CSVLogger picks the next free version at its first use, so a requeued job would
-    start a new directory each time, and it deletes the metrics file of a version
-    directory it opens: the rows logged so far are kept and appended to. Lightning
-    opens each logger's experiment just before the callbacks' ``setup``: the empty
-    directory it made for the new version is removed.
+    Both loggers pick the next free version at their first use, so a requeued job would
+    start a new directory each time. Lightning opens each logger's experiment just
+    before the callbacks' ``setup``: what it has made for the new version by then (the
+    directory, TensorBoard's empty event file) is removed. CSVLogger deletes the metrics
+    file of a version directory it opens: the rows logged so far are kept and appended to.
     """
     for lg, version in zip(trainer.loggers, versions, strict=False):
-        if version is None or not isinstance(lg, CSVLogger) or lg._version == version:
+        if version is None or not isinstance(lg, (CSVLogger, TensorBoardLogger)) or lg._version == version:
             continue
         opened = lg._experiment
-        if opened is not None and os.listdir(lg.log_dir):
+        new_dir = Path(lg.log_dir)
+        # Only this process's empty start: a directory already holding logs is left alone.
+        made = [p for p in new_dir.iterdir() if f".{os.getpid()}." in p.name] if opened is not None else []
+        if opened is not None and len(made) != len(os.listdir(new_dir)):
             log.warning("%s has written to %s already: the resumed run logs there, not into version %s",
-                        type(lg).__name__, lg.log_dir, version)  # fmt: skip
+                        type(lg).__name__, new_dir, version)  # fmt: skip
             continue
-        new_dir = lg.log_dir
+        close = getattr(opened, "close", None)  # TensorBoard's SummaryWriter
+        if close is not None:
+            close()
         lg._experiment, lg._version = None, version
         if opened is not None:
             with contextlib.suppress(OSError):
-                os.rmdir(new_dir)
-        if trainer.is_global_zero:
+                for p in made:
+                    p.unlink()
+                new_dir.rmdir()
+        if trainer.is_global_zero and isinstance(lg, CSVLogger):
             _open_csv_keeping_rows(lg)
 
 

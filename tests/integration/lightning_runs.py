@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
@@ -51,6 +51,7 @@ class Cell:
     accumulate: int = 1
     epoch_scheduler: bool = False
     logger: bool = True
+    tensorboard: bool = False  # TensorBoardLogger in place of CSVLogger
     val: bool = True
 
 
@@ -175,7 +176,9 @@ def _fit(cell: Cell, root: Path, record: list[Any], extra: list[Callback], plugi
     model = Model(cell, record)
     train, val = _loaders()
     mc, enabled = _checkpoint_callbacks(cell, root)
-    logger: Any = CSVLogger(root / "logs", name="m") if cell.logger else False
+    logger: Any = False
+    if cell.logger:
+        logger = (TensorBoardLogger if cell.tensorboard else CSVLogger)(root / "logs", name="m")
     trainer = Trainer(max_steps=cell.max_steps, max_epochs=cell.max_epochs, val_check_interval=cell.val_check_interval,
                       accumulate_grad_batches=cell.accumulate, enable_checkpointing=enabled, logger=logger,
                       log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
@@ -199,10 +202,22 @@ def _logged(root: Path) -> tuple[list[dict[str, str]], list[str]]:
     rows: list[dict[str, str]] = []
     for v in versions:
         f = base / v / "metrics.csv"
-        if f.exists():
+        if any((base / v).glob("events.out.tfevents.*")):
+            rows += _scalars(base / v)
+        elif f.exists():
             with open(f, newline="") as fh:
                 rows += [{k: x for k, x in r.items() if x} for r in csv.DictReader(fh)]
     return rows, versions
+
+
+def _scalars(log_dir: Path) -> list[dict[str, str]]:
+    """What TensorBoard shows from a version directory (every event file in it): its scalars."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return [{"tag": tag, "step": str(e.step), "value": float(e.value).hex()}
+            for tag in sorted(acc.Tags()["scalars"]) for e in acc.Scalars(tag)]  # fmt: skip
 
 
 def reference(cell: Cell, root: Path, **kw: Any) -> Outcome:

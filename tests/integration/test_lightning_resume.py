@@ -66,6 +66,8 @@ CELLS: dict[str, tuple[Cell, list[int | None]]] = {
         Cell(stops=(("train", 12),), checkpoint="every_last", max_steps=12, logger=False), [None]),
     # Logs (cause 5)
     "csv-logger/mid-epoch": (Cell(stops=(("train", 5), ("train", 15)), max_steps=24), [5, 15]),
+    "tensorboard-logger/val-check-interval/during-validation": (
+        Cell(stops=(("val", 1), ("train", 15)), max_steps=20, val_check_interval=5, tensorboard=True), [6, 16]),
     "csv-logger/top-k-monitor/max-epochs/during-validation": (
         Cell(stops=(("val", 2), ("train", 17)), checkpoint="top_k", max_epochs=3, epoch_scheduler=True,
              val_check_interval=5), [6, 17]),
@@ -82,6 +84,8 @@ def _quiet() -> None:
 @pytest.mark.parametrize("name", list(CELLS))
 def test_stopped_and_resumed_run_is_the_uninterrupted_run(tmp_path: Path, name: str) -> None:
     cell, stops = CELLS[name]
+    if cell.tensorboard:
+        pytest.importorskip("tensorboard")
     want = reference(cell, tmp_path / "ref")
     got = stopped_and_resumed(cell, tmp_path / "res")
     assert got.stopped_at == [*stops, None][: len(got.stopped_at)] and got.stopped_at[-1] is None, got.stopped_at
