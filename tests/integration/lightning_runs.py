@@ -48,6 +48,7 @@ class Cell:
     max_steps: int = -1
     max_epochs: int | None = None
     val_check_interval: int | float | None = None
+    check_val_every_n_epoch: int | None = 1
     accumulate: int = 1
     epoch_scheduler: bool = False
     logger: bool = True
@@ -180,6 +181,7 @@ def _fit(cell: Cell, root: Path, record: list[Any], extra: list[Callback], plugi
     if cell.logger:
         logger = (TensorBoardLogger if cell.tensorboard else CSVLogger)(root / "logs", name="m")
     trainer = Trainer(max_steps=cell.max_steps, max_epochs=cell.max_epochs, val_check_interval=cell.val_check_interval,
+                      check_val_every_n_epoch=cell.check_val_every_n_epoch,
                       accumulate_grad_batches=cell.accumulate, enable_checkpointing=enabled, logger=logger,
                       log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
                       default_root_dir=root, callbacks=[*extra, *mc], plugins=plugins, **kw)  # fmt: skip

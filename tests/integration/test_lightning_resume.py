@@ -55,6 +55,13 @@ CELLS: dict[str, tuple[Cell, list[int | None]]] = {
         Cell(stops=(("train", 5), ("train", 15)), max_steps=24, val_check_interval=5, logger=False), [6, 16]),
     "val-check-interval/during-validation": (
         Cell(stops=(("val", 1), ("val", 2)), max_steps=24, val_check_interval=5, logger=False), [6, 11]),
+    # As Lightning's own loop tests: an interval that is a fraction of the epoch, and one
+    # counted across epochs (check_val_every_n_epoch=None)
+    "val-check-interval-half-epoch/max-epochs/batch-before-validation": (
+        Cell(stops=(("train", 5), ("train", 14)), max_epochs=2, val_check_interval=0.5, logger=False), [6, 14]),
+    "val-check-interval-across-epochs/batch-before-validation": (
+        Cell(stops=(("train", 7), ("train", 13)), max_steps=24, val_check_interval=7, check_val_every_n_epoch=None,
+             logger=False), [8, 13]),
     "during-sanity-check": (Cell(stops=(("sanity", 0),), max_steps=12, logger=False), [1]),
     "in-on-train-epoch-end": (Cell(stops=(("epoch_end", 0),), max_steps=24, logger=False), [11]),
     "accumulate-2/between-micro-batches": (
