@@ -73,6 +73,9 @@ CELLS: dict[str, tuple[Cell, list[int | None]]] = {
         Cell(stops=(("train", 12),), checkpoint="every_last", max_steps=12, logger=False), [None]),
     # Logs (cause 5)
     "csv-logger/mid-epoch": (Cell(stops=(("train", 5), ("train", 15)), max_steps=24), [5, 15]),
+    # Lightning's default ModelCheckpoint keeps its files under the logger's version directory
+    "csv-logger/default-checkpoint/max-epochs/mid-epoch": (
+        Cell(stops=(("train", 4), ("train", 23)), checkpoint="default", max_epochs=3), [4, 23]),
     "tensorboard-logger/val-check-interval/during-validation": (
         Cell(stops=(("val", 1), ("train", 15)), max_steps=20, val_check_interval=5, tensorboard=True), [6, 16]),
     "csv-logger/top-k-monitor/max-epochs/during-validation": (
