@@ -56,6 +56,13 @@ from ..loopstate import rng_state, set_rng_state
 from ..store.manifest import MANIFEST
 from ..store.tiers import read_dirs
 from ._folder import error_text, gather_objects, raise_gathered
+from ._lightning_loop import (
+    continue_logs,
+    finishes_now,
+    logger_versions,
+    not_whole,
+    skip_stop_validation,
+)
 from ._steps import load_step, oldest_newest, read_pointer, resume_step, write_pointer
 
 __all__ = ["PreemptionCallback", "SlurmCkptIO", "load_from_checkpoint", "plugins"]
@@ -84,6 +91,8 @@ class SlurmCkptIO(CheckpointIO):
         self._resume: tuple[str, Any, int] | None = None
         """What resume_path found: the path it returned, the state, and its step."""
         self._torch = TorchCheckpointIO()
+        self._stopped_at: int | None = None
+        """The step of the checkpoint a stop committed; later saves of this fit name it."""
 
     @property
     def ckpt(self) -> Checkpointer:
@@ -123,6 +132,14 @@ class SlurmCkptIO(CheckpointIO):
             self._torch.save_checkpoint(checkpoint, path)
             return
         self._finish_pending()
+        if self._stopped_at is not None:
+            # After a stop Lightning goes on saving at the same global_step (ModelCheckpoint
+            # at the epoch's end, on_train_end's save_last) states that are not the one to
+            # resume from: the epoch counted as finished, an epoch scheduler stepped. The
+            # checkpoint that resume picks stays the state at the stop, and Lightning's
+            # file names that state; its weights are these.
+            write_pointer(Path(path), self._stopped_at, self.ckpt.dir)
+            return
         step = int(checkpoint["global_step"])
         if self.async_save:
             self._pending.append((self.ckpt.save_async(checkpoint, step), Path(path)))
@@ -274,7 +291,7 @@ def plugins(io: SlurmCkptIO | None = None) -> list[Any]:
 
 
 class PreemptionCallback(Callback):
-    """On the wrapper's request, checkpoint at the next batch boundary and stop ``fit``.
+    """On the wrapper's request, checkpoint at the next whole batch boundary and stop ``fit``.
 
     The checkpoint goes through the trainer's :class:`SlurmCkptIO` (required)
     and is committed before the callback returns; the stop is Lightning's own
@@ -283,23 +300,45 @@ class PreemptionCallback(Callback):
     agreed on first, so every rank stops at the same batch. ``filename``: the
     pointer written for it, in ``trainer.default_root_dir``.
 
+    The stop comes at the end of the first training batch after the request
+    where the state is whole: not between the micro-batches of an accumulated
+    optimizer step, not at an epoch's end, not before a due validation (a
+    request during validation, the sanity check or an epoch's end waits for
+    the next training batch). When ``fit`` ends after the batch anyway, it
+    ends as usual and no checkpoint is taken. After the stop, no validation
+    runs, and what Lightning saves later in the same ``fit``
+    (``ModelCheckpoint`` at the epoch's end or ``on_train_end``) names the
+    stop's checkpoint instead of replacing it: resume picks the state at the stop.
+
     ``rng=True`` (the default) also puts the random number generators (Python,
     NumPy, torch, CUDA; see :func:`slurm_ckpt.rng_state`) into every checkpoint
     the trainer saves, and restores them on resume just before the first
-    batch, after the DataLoader has drawn its seeds, so dropout and other
-    random ops continue the stream of the run that stopped. Lightning alone
-    restores none of them.
+    batch, after the DataLoader has drawn its seeds; at a stop's checkpoint
+    that is where the stopped run would have drawn next, so dropout and other
+    random ops continue the same stream. Lightning alone restores none of them.
+
+    ``loggers=True`` (the default) keeps the loggers' versions in the
+    checkpoint, and a ``fit`` resumed from :meth:`SlurmCkptIO.resume_path`
+    logs into the same version directories (``CSVLogger`` keeps the rows
+    logged so far) rather than starting a new one at each requeue.
     """
 
-    def __init__(self, filename: str = "preempted.ckpt", *, rng: bool = True) -> None:
+    def __init__(self, filename: str = "preempted.ckpt", *, rng: bool = True, loggers: bool = True) -> None:
         self.filename = filename
         self.rng = rng
+        self.loggers = loggers
         self.stopped = False
         self.step: int | None = None
+        self._requested = False
+        self._waiting_for = ""
+        self._versions: list[Any] = []
         self._rng_to_restore: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": rng_state()} if self.rng else {}
+        state: dict[str, Any] = {"rng": rng_state()} if self.rng else {}
+        if self.loggers:
+            state["loggers"] = self._versions
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.rng and "rng" in state_dict:
@@ -343,19 +382,42 @@ class PreemptionCallback(Callback):
         # fit: Lightning then chains SIGTERM to the Checkpointer's flag.
         io = self._io(trainer)
         _ = io.ckpt
-        if stage == "fit" and trainer.world_size > 1:  # Lightning's group is up; it restores after this
+        if stage != "fit":
+            return
+        self.stopped, self.step, self._requested, self._waiting_for = False, None, False, ""
+        io._stopped_at = None
+        if trainer.world_size > 1:  # Lightning's group is up; it restores after this
             io.agree_resume()
+        if self.loggers:
+            # Before ModelCheckpoint's setup (Lightning runs checkpoint callbacks last),
+            # which puts its default dirpath under the logger's version directory. The
+            # path fit resumes from is not known yet: this is what resume_path read.
+            if io._resume is not None:
+                saved = io._resume[1].get("callbacks", {}).get(self.state_key, {})
+                continue_logs(trainer, list(saved.get("loggers", [])))
+            self._versions = logger_versions(trainer)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:  # fmt: skip
         if self.stopped:
             return
         io = self._io(trainer)
-        if not trainer.strategy.reduce_boolean_decision(io.ckpt.preempted, all=False):
+        # Every rank, every batch: the agreement is a collective.
+        asked = trainer.strategy.reduce_boolean_decision(io.ckpt.preempted, all=False)
+        self._requested = self._requested or asked
+        if not self._requested or finishes_now(trainer):
+            return
+        pending = not_whole(trainer)  # the same on every rank: they count the same batches
+        if pending:
+            if pending != self._waiting_for:
+                log.info("checkpoint requested at step %d: stopping after %s", trainer.global_step, pending)
+                self._waiting_for = pending
             return
         path = Path(trainer.default_root_dir) / self.filename
         trainer.save_checkpoint(path)
         io.wait()  # committed (and reported to the wrapper) before fit returns
         self.stopped, self.step = True, trainer.global_step
+        io._stopped_at = trainer.global_step
         trainer.should_stop = True
+        skip_stop_validation(trainer)
         log.info("checkpointed step %d on request; stopping", trainer.global_step)

@@ -21,7 +21,9 @@ checksums, tiers). :meth:`SlurmCkptCallback.resume_path` writes the newest
 checkpoint that verifies back out as a ``checkpoint-N`` folder and returns its
 path for ``resume_from_checkpoint``; the Trainer then restores the model, the
 optimizer, the scheduler, the scaler, its RNG states, its position in the
-data and its log history from it as from its own.
+data and its log history from it as from its own. A resume that the Trainer
+would feed from the start of a stream (an ``IterableDataset`` without
+``__len__``, past its first pass) is refused (``docs/huggingface.md``).
 
 On the wrapper's signal the callback asks the Trainer to save at the end of
 the current step and to stop; the save is committed before ``train`` returns.
@@ -39,6 +41,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..checkpointer import Checkpointer
+from ..errors import ConfigError
 from ._folder import folder_state, gather_objects, one_writer, resume_folder, together
 
 __all__ = ["SlurmCkptCallback"]
@@ -72,6 +75,32 @@ def _barrier() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _refuse_a_stream_restart(args: TrainingArguments, state: TrainerState, loader: Any) -> None:
+    """Refuse a resume that the Trainer would feed from the start of the data stream.
+
+    Over an ``IterableDataset`` without ``__len__`` the Trainer counts the whole
+    run as one epoch and, resuming at step N, skips N batches of a fresh stream.
+    Past the stream's first pass (``state.epoch`` >= 1: the Trainer saw it end)
+    that skip runs off the end of the first pass and training starts the stream
+    again from its first example, where the run that stopped was inside a later pass.
+    """
+    import torch
+    from transformers.trainer_utils import has_length
+
+    dataset = getattr(loader, "dataset", None)
+    if state.global_step == 0 or args.ignore_data_skip or not isinstance(dataset, torch.utils.data.IterableDataset):
+        return
+    if has_length(loader) or (state.epoch or 0) < 1:
+        return
+    raise ConfigError(
+        f"resuming the Trainer at step {state.global_step}, past the first pass over {type(dataset).__name__}, "
+        "an IterableDataset without __len__: the Trainer would skip that many batches of a fresh stream and "
+        "restart it from its first example. Give the dataset a __len__ (the number of examples one pass "
+        "yields) so that the Trainer resumes at the right pass and position, or set "
+        "TrainingArguments(ignore_data_skip=True) to restart the stream knowingly"
+    )
 
 
 class SlurmCkptCallback(TrainerCallback):
@@ -119,6 +148,10 @@ class SlurmCkptCallback(TrainerCallback):
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:  # fmt: skip
         _ = self.ckpt  # the signal flag is listening from here on
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       train_dataloader: Any = None, **kwargs: Any) -> None:  # fmt: skip
+        _refuse_a_stream_restart(args, state, train_dataloader)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:  # fmt: skip

@@ -7,7 +7,9 @@ they read themselves, so it runs in this process.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ pytest.importorskip("accelerate")
 import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from slurm_ckpt import CheckpointCorrupt, Checkpointer, ConfigError, UnsupportedValue
 from slurm_ckpt.errors import ShardError
@@ -133,6 +135,64 @@ def test_callback_saves_and_stops_on_request(tmp_path: Path, monkeypatch: pytest
     trainer.train()
     assert cb.stopped and cb.step == 1 and trainer.state.global_step == 1
     assert f"committed 1 {tmp_path / 'run' / 'step-000000001'}" in control.read_text()
+
+
+class Stream(torch.utils.data.IterableDataset[dict[str, torch.Tensor]]):
+    """The examples of ``Seqs`` as a stream: one pass is 8 batches of 4."""
+
+    def __init__(self) -> None:
+        self.seqs = Seqs()
+
+    def __iter__(self) -> Any:
+        return (self.seqs[i] for i in range(len(self.seqs)))
+
+
+class SizedStream(Stream):
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class _SignalAt(TrainerCallback):
+    def __init__(self, step: int, losses: list[tuple[int, str]]) -> None:
+        self.step, self.losses = step, losses
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        if logs and "loss" in logs:
+            self.losses.append((state.global_step, float(logs["loss"]).hex()))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGUSR1)  # what the wrapper forwards
+
+
+@pytest.mark.parametrize("sized", [False, True])
+def test_trainer_over_an_iterable_dataset_resumes_past_its_first_pass_or_refuses(tmp_path: Path, sized: bool) -> None:
+    """A stream of 8 batches a pass, stopped at step 11 (the second pass): the Trainer would skip 11 batches
+    of a fresh stream and start it again; with ``__len__`` it resumes at the right pass and position."""
+
+    def trainer(out: Path, callbacks: list[Any], ckpt: bool = True) -> Trainer:
+        args = TrainingArguments(output_dir=str(out), max_steps=14, per_device_train_batch_size=4,
+                                 save_strategy="steps" if ckpt else "no", save_steps=5, logging_steps=1,
+                                 report_to=[], use_cpu=True, seed=0, disable_tqdm=True)  # fmt: skip
+        data = SizedStream() if sized else Stream()
+        return Trainer(model=_model(), args=args, train_dataset=data, callbacks=callbacks)
+
+    want: list[tuple[int, str]] = []
+    trainer(tmp_path / "ref", [_SignalAt(0, want)], ckpt=False).train()
+    got: list[tuple[int, str]] = []
+    cb = SlurmCkptCallback(Checkpointer(tmp_path / "run", scratch=False))
+    trainer(tmp_path / "out", [_SignalAt(11, got), cb]).train()
+    cb.ckpt.close()
+    assert cb.stopped and cb.step == 11
+    cb = SlurmCkptCallback(Checkpointer(tmp_path / "run", scratch=False))
+    resumed = trainer(tmp_path / "out", [_SignalAt(0, got), cb])
+    if not sized:
+        with pytest.raises(ConfigError, match=r"step 11, past the first pass over Stream.*__len__.*ignore_data_skip"):
+            resumed.train(resume_from_checkpoint=cb.resume_path(tmp_path / "out"))
+        return
+    resumed.train(resume_from_checkpoint=cb.resume_path(tmp_path / "out"))
+    cb.ckpt.close()
+    assert got == want and [s for s, _ in got] == list(range(1, 15))
 
 
 def test_accelerate_save_state_and_load_state_go_through_the_checkpointer(tmp_path: Path) -> None:

@@ -122,8 +122,32 @@ def test_signal_checkpoints_at_the_next_batch_and_stops_fit(tmp_path: Path, io: 
     assert read_pointer(tmp_path / "preempted.ckpt") == Pointer(5, tmp_path / "run")
     assert f"committed 5 {tmp_path / 'run' / 'step-000000005'}" in control.read_text()
     state = io.load_checkpoint(str(tmp_path / "run" / "step-000000005"))
-    assert state["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"] == 5
+    # Taken in on_train_batch_end, as Lightning's own mid-epoch checkpoints are: the
+    # batch is processed, and Lightning counts it completed on restoring.
+    progress = state["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
+    assert (progress["processed"], progress["completed"]) == (5, 4)
     assert "rng" in state["callbacks"]["PreemptionCallback"]
+
+
+def test_saves_after_the_stop_name_the_stop_checkpoint_instead_of_replacing_it(tmp_path: Path, io: SlurmCkptIO) -> None:
+    """After the stop Lightning saves again at the same global_step (ModelCheckpoint at the epoch's end and
+    save_last in on_train_end), states that count the epoch as finished; resume must get the stop's."""
+
+    class SignalAt(Callback):
+        def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+            if trainer.global_step == 3:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    preempt = PreemptionCallback()
+    mc = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_last=True)
+    trainer = _trainer(tmp_path, io, [SignalAt(), preempt, mc], steps=40)
+    trainer.fit(Tiny(), _loader(), ckpt_path=io.resume_path())
+    assert preempt.step == 3 and trainer.current_epoch == 1  # Lightning ended the epoch after the stop
+    assert _steps(tmp_path / "run") == [3]
+    # on_train_end saved last.ckpt, as no save of this fit had yet: it names the stop's step
+    assert read_pointer(tmp_path / "ckpt" / "last.ckpt") == Pointer(3, tmp_path / "run")
+    state = SlurmCkptIO(Checkpointer(tmp_path / "run", scratch=False)).ckpt.load_latest()
+    assert state["epoch"] == 0 and state["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 0
 
 
 def test_lightning_own_slurm_requeue_is_refused(tmp_path: Path, io: SlurmCkptIO,
