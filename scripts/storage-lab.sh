@@ -113,8 +113,8 @@ unmount_all() {
 }
 
 lab_pids() {
-    # glusterd starts the self-heal daemon with paths of its own, named after the volume.
-    pgrep -f -- "$LAB|--volfile-id shd/$VOL " 2>/dev/null
+    # glusterd starts the self-heal and quota daemons with paths of their own.
+    pgrep -f -- "$LAB|--volfile-id shd/$VOL |--volfile-id gluster/quotad " 2>/dev/null
 }
 
 pids_of() {

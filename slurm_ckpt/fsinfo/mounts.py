@@ -16,11 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
+    "CEPH_FS",
+    "GLUSTER_FS",
     "NETWORK_FS",
     "Mount",
     "block_device",
     "cgroup_mount",
     "mount_for",
+    "mount_named",
     "mount_of",
     "read_mounts",
 ]
@@ -130,6 +133,26 @@ def mount_for(path: str | os.PathLike[str], mountinfo: str = MOUNTINFO) -> Mount
     except OSError:
         return None
     return _holding(os.path.realpath(p), mounts, None)
+
+
+def mount_named(path: str | os.PathLike[str], mountinfo: str = MOUNTINFO) -> Mount | None:
+    """The mount holding ``path`` as written, found without touching the path.
+
+    Symlinks are not followed: the answer is for asking about a path whose
+    filesystem may be hung, where even ``stat`` would block. None if
+    mountinfo is unreadable.
+    """
+    try:
+        mounts = read_mounts(mountinfo)
+    except OSError:
+        return None
+    return _holding(os.path.normpath(os.path.abspath(path)), mounts, None)
+
+
+CEPH_FS = frozenset({"ceph", "fuse.ceph-fuse", "fuse.ceph"})
+"""CephFS, through the kernel client or ceph-fuse."""
+GLUSTER_FS = frozenset({"glusterfs", "fuse.glusterfs"})
+"""GlusterFS through its FUSE client."""
 
 
 def cgroup_mount(controller: str, mounts: list[Mount] | None = None) -> Mount | None:

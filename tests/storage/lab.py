@@ -77,6 +77,13 @@ class Lab:
     def restart(self, server: str) -> None:
         _run("restart", server)
 
+    def gluster(self, *args: str) -> str:
+        """Run the gluster CLI against the lab's glusterd (``volume quota ...``)."""
+        return subprocess.run(["gluster", "--mode=script", f"--glusterd-sock={self.root}/gluster/glusterd.socket",
+                               *args], capture_output=True, text=True, check=True, timeout=60).stdout  # fmt: skip
+
+    volume = "sclab"
+
     def shape(self, qdisc: str) -> None:
         """``qdisc`` (``netem delay 20ms``, ``tbf rate ...``) on the link both ways; ``off`` clears it."""
         _run("shape", qdisc)
