@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from .mounts import (
     CEPH_FS,
+    DIRECT_IO_SLOW,
     GLUSTER_FS,
     NETWORK_FS,
     Mount,
     block_device,
     cgroup_mount,
+    direct_io_pays,
     mount_for,
     mount_named,
     mount_of,
@@ -34,6 +36,7 @@ from .quota import (
 
 __all__ = [
     "CEPH_FS",
+    "DIRECT_IO_SLOW",
     "GLUSTER_FS",
     "NETWORK_FS",
     "DirQuota",
@@ -43,6 +46,7 @@ __all__ = [
     "block_device",
     "ceph_quotas",
     "cgroup_mount",
+    "direct_io_pays",
     "get_project",
     "get_quota",
     "mount_for",
