@@ -185,6 +185,8 @@ gluster_down() {
     signal_all KILL glusterfsd glusterfs glusterd
     rm -f "${socks[@]}"
     rm -rf "/var/run/gluster/vols/$VOL" "/var/run/gluster/shd/$VOL"
+    # The quota daemon's socket has a fixed name; it is ours when no other glusterd runs.
+    pgrep -x glusterd >/dev/null || rm -f /var/run/gluster/quotad.socket
 }
 
 # --- Ceph ------------------------------------------------------------------------
