@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the test suite drives for real: Slurm and munge,
 # XFS with project quotas, FUSE, and Prometheus with node_exporter; and gcc,
-# which builds the staging copy's C loop that the suite checks is in use.
+# which builds the staging copy's C loop that the suite checks is in use; and
+# GlusterFS and Ceph, whose servers scripts/storage-lab.sh starts on demand.
 # Idempotent: skips apt entirely when everything is already present.
 set -euo pipefail
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
@@ -11,7 +12,8 @@ die() { echo "install-system-deps: $*" >&2; exit 1; }
 
 packages=(slurm-wlm munge xfsprogs quota fuse3 libfuse3-dev pkg-config
           prometheus prometheus-node-exporter iproute2 util-linux procps
-          psmisc acl e2fsprogs gcc libc6-dev)
+          psmisc acl e2fsprogs gcc libc6-dev
+          glusterfs-server glusterfs-client ceph ceph-mds ceph-fuse)
 
 missing=()
 for p in "${packages[@]}"; do
@@ -21,8 +23,8 @@ done
 [ "$(id -u)" -eq 0 ] || die "run as root to install: ${missing[*]}"
 
 apt-get update -qq || die "apt-get update failed"
-# Debian's prometheus and slurm packages start their services on install; the
-# tests start their own private instances on their own ports instead.
+# Debian's prometheus, slurm, gluster and ceph packages start their services
+# on install; the tests start their own private instances instead.
 printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
 chmod +x /usr/sbin/policy-rc.d
 trap 'rm -f /usr/sbin/policy-rc.d' EXIT

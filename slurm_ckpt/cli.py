@@ -206,7 +206,8 @@ def run(
 
 
 @main.command()
-@click.argument("path", required=False, type=click.Path(file_okay=False))
+# A plain string: click.Path would stat it here, and a stat on a hung mount never returns.
+@click.argument("path", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
 @click.option("--slurm-conf", type=click.Path(dir_okay=False), default=None,
               help="slurm.conf to check (default: $SLURM_CONF, then /etc/slurm/slurm.conf).")  # fmt: skip
@@ -215,10 +216,12 @@ def run(
 @click.option("--ckpt-size", default=None, help="One checkpoint's size, e.g. 40GB or 37GiB (default: the newest in PATH).")
 @click.option("--probe-size", default="128M", show_default=True, help="Most bytes the write probe writes.")
 @click.option("--probe-seconds", type=float, default=5.0, show_default=True, help="Most seconds the probe runs.")
+@click.option("--hang-seconds", type=float, default=5.0, show_default=True,
+              help="Seconds a storage check may go without answering before the mount is reported hung.")  # fmt: skip
 @_errors_to_exit
 def doctor(
     path: str | None, as_json: bool, slurm_conf: str | None, lead_time: float | None,
-    ckpt_size: str | None, probe_size: str, probe_seconds: float,
+    ckpt_size: str | None, probe_size: str, probe_seconds: float, hang_seconds: float,
 ) -> None:  # fmt: skip
     """Diagnose checkpoint storage and the Slurm setup; exit 0 ok, 6 warnings, 7 errors.
 
@@ -234,7 +237,7 @@ def doctor(
     report = run_doctor(path or default_run_dir(cfg), slurm_conf=slurm_conf, lead_time=lead_time,
                         ckpt_size=parse_size(ckpt_size) if ckpt_size else None, keep=cfg.storage.keep,
                         probe_bytes=parse_size(probe_size), probe_seconds=probe_seconds,
-                        storage_root=cfg.storage.root)  # fmt: skip
+                        storage_root=cfg.storage.root, hang_seconds=hang_seconds)  # fmt: skip
     click.echo(report.to_json() if as_json else report.to_text())
     worst = report.worst
     if worst >= Severity.ERROR:

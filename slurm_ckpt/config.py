@@ -258,7 +258,7 @@ class EngineConfig:
     chunk_size: Size = Size(8 * 1024**2)
     """Bytes per write or read call (a multiple of 4 KiB); chunks are checksummed separately."""
     direct_io: bool = True
-    """Use O_DIRECT where the filesystem supports it (falls back to buffered where not)."""
+    """Use O_DIRECT where the filesystem supports it and runs it fast (buffered on ceph-fuse, and where it is refused)."""
     snapshot: str = "auto"
     """auto|overlap|copy|fork|lazy: how save_async captures the state (see the engine docs)."""
     pin_memory: bool = True

@@ -85,8 +85,8 @@ class LockHeld(SlurmCkptError, TimeoutError):
 _HINTS = {
     _errno.ENOSPC: "the filesystem is full: free space, lower storage.keep, or point "
     "SLURM_CKPT_DIR at a larger filesystem",
-    _errno.EDQUOT: "your quota is exhausted: check `quota -s` (or `lfs quota`), lower "
-    "storage.keep, or ask for more quota",
+    _errno.EDQUOT: "your quota is exhausted: check `quota -s` (a project quota: `xfs_quota -c "
+    "'quota -p ID'`), lower storage.keep, or ask for more quota",
     _errno.EROFS: "the filesystem is read-only (often a remount after errors): tell your "
     "admins; checkpoints can go to scratch meanwhile",
     _errno.EIO: "the storage returned an I/O error: retry later and run `slurm-ckpt doctor`",
@@ -101,6 +101,28 @@ _HINTS = {
 }
 
 
+def _quota_hint(path: str | os.PathLike[str] | None) -> str | None:
+    """The EDQUOT hint for the filesystem holding ``path``: each keeps its quotas its own way."""
+    if path is None:
+        return None
+    from .fsinfo import CEPH_FS, GLUSTER_FS, mount_for  # stdlib only; read on EDQUOT alone
+
+    m = mount_for(path)
+    if m is None:
+        return None
+    rest = "lower storage.keep, delete old checkpoints, or ask for more quota"
+    if m.fstype in CEPH_FS:
+        return ("a CephFS directory quota is exhausted: `slurm-ckpt doctor` on the run dir finds it "
+                "(the ceph.quota.max_bytes / max_files xattrs of the run dir or a parent, "
+                "`getfattr -n ceph.quota.max_bytes DIR`); " + rest)  # fmt: skip
+    if m.fstype in GLUSTER_FS:
+        return ("a GlusterFS directory quota is exhausted: `df -h` on the run dir shows it, admins "
+                "`gluster volume quota VOLUME list`; " + rest)  # fmt: skip
+    if m.fstype == "lustre":
+        return f"your Lustre quota is exhausted: check `lfs quota -h -u $USER {m.mount_point}`; " + rest
+    return None
+
+
 class StorageError(SlurmCkptError, OSError):
     """An I/O operation on checkpoint storage failed.
 
@@ -108,6 +130,7 @@ class StorageError(SlurmCkptError, OSError):
     """
 
     def __init__(self, err: int, message: str, path: str | os.PathLike[str] | None = None, hint: str | None = None):
+        hint = hint or (_quota_hint(path) if err == _errno.EDQUOT else None)
         self.hint = hint or _HINTS.get(err, "run `slurm-ckpt doctor` on the run dir")
         super().__init__(err, f"{message}: {os.strerror(err)}; {self.hint}")
         self.filename = None if path is None else os.fspath(path)
@@ -117,15 +140,15 @@ class StorageError(SlurmCkptError, OSError):
         return f"{self.strerror}{where}"
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_storage_error, (type(self), self.errno, self.strerror, self.filename))
+        return (_rebuild_storage_error, (type(self), self.errno, self.strerror, self.filename, self.hint))
 
 
 def _rebuild_storage_error(
-    cls: type[StorageError], err: int, message: str, path: str | None
+    cls: type[StorageError], err: int, message: str, path: str | None, hint: str | None = None
 ) -> StorageError:
     obj = cls.__new__(cls)
     OSError.__init__(obj, err, message)
-    obj.hint = _HINTS.get(err, "")
+    obj.hint = _HINTS.get(err, "") if hint is None else hint
     obj.filename = path
     return obj
 

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import CheckpointCorrupt, storage_error
+from ..fsinfo import direct_io_pays
 from ..store.codec import contiguous_strides, overlapping, torch_dtype
 from ..store.crc import crc32, crc32_combine, crc32_of_chunks, crc_threads
 from ..store.tensorfile import CHECKSUM, FileRecord, read_header
@@ -468,9 +469,10 @@ def _fault_in(spans: list[tuple[int, int]], stop: threading.Event) -> None:
 
 
 def open_direct(path: Path) -> int:
-    """``path`` opened read-only with ``O_DIRECT``, or -1 where the filesystem refuses it."""
+    """``path`` opened read-only with ``O_DIRECT``, or -1 where the filesystem refuses it
+    or runs it slower than buffered reads (``fsinfo.direct_io_pays``)."""
     flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
+    if not flag or not direct_io_pays(path.parent):
         return -1
     try:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | flag)

@@ -14,7 +14,8 @@ throttling of other writers. ``pwrite``, ``memmove`` and ``crc32`` (zlib or ISA-
 release the GIL, so the threads run in parallel.
 
 Fallbacks: a filesystem that refuses ``O_DIRECT`` at open, or at write time
-with ``EINVAL`` (FUSE, some network filesystems), gets buffered writes from
+with ``EINVAL`` (FUSE, some network filesystems), or that runs it slower than
+buffered writes (ceph-fuse, ``fsinfo.DIRECT_IO_SLOW``), gets buffered writes from
 the same memory (``pwritev`` gathers without a bounce buffer). The unaligned
 tail of the file is always written buffered. ``fsync`` at the end makes both
 kinds durable.
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import storage_error
+from ..fsinfo import direct_io_pays
 from ..store.crc import crc32, crc32_of_chunks, crc_threads
 from ..store.fsutil import fsync_file, preallocate
 from ..store.tensorfile import FileRecord
@@ -75,7 +77,7 @@ def write_image(
         # of one at a time under the inode lock (allocating writes past the
         # end take it exclusively).
         preallocate(fd, image.size)
-        if direct and image.size >= ALIGN:
+        if direct and image.size >= ALIGN and direct_io_pays(path.parent):
             dfd = _open_direct(path)
         job = _Job(plan_writes(image.pieces, chunk, direct=dfd >= 0 and in_place), chunk, fd, dfd, cancel)
         job.run(threads)

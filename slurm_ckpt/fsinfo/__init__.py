@@ -7,10 +7,25 @@ without slowing their start.
 
 from __future__ import annotations
 
-from .mounts import NETWORK_FS, Mount, block_device, cgroup_mount, mount_for, mount_of, read_mounts
+from .mounts import (
+    CEPH_FS,
+    DIRECT_IO_SLOW,
+    GLUSTER_FS,
+    NETWORK_FS,
+    Mount,
+    block_device,
+    cgroup_mount,
+    direct_io_pays,
+    mount_for,
+    mount_named,
+    mount_of,
+    read_mounts,
+)
 from .quota import (
+    DirQuota,
     Quota,
     QuotaUsage,
+    ceph_quotas,
     get_project,
     get_quota,
     parse_quota_lines,
@@ -20,15 +35,22 @@ from .quota import (
 )
 
 __all__ = [
+    "CEPH_FS",
+    "DIRECT_IO_SLOW",
+    "GLUSTER_FS",
     "NETWORK_FS",
+    "DirQuota",
     "Mount",
     "Quota",
     "QuotaUsage",
     "block_device",
+    "ceph_quotas",
     "cgroup_mount",
+    "direct_io_pays",
     "get_project",
     "get_quota",
     "mount_for",
+    "mount_named",
     "mount_of",
     "parse_quota_lines",
     "project_id",

@@ -16,11 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
+    "CEPH_FS",
+    "DIRECT_IO_SLOW",
+    "GLUSTER_FS",
     "NETWORK_FS",
     "Mount",
     "block_device",
     "cgroup_mount",
+    "direct_io_pays",
     "mount_for",
+    "mount_named",
     "mount_of",
     "read_mounts",
 ]
@@ -130,6 +135,55 @@ def mount_for(path: str | os.PathLike[str], mountinfo: str = MOUNTINFO) -> Mount
     except OSError:
         return None
     return _holding(os.path.realpath(p), mounts, None)
+
+
+def mount_named(path: str | os.PathLike[str], mountinfo: str = MOUNTINFO) -> Mount | None:
+    """The mount holding ``path`` as written, found without touching the path.
+
+    Symlinks are not followed: the answer is for asking about a path whose
+    filesystem may be hung, where even ``stat`` would block. None if
+    mountinfo is unreadable.
+    """
+    try:
+        mounts = read_mounts(mountinfo)
+    except OSError:
+        return None
+    return _holding(os.path.normpath(os.path.abspath(path)), mounts, None)
+
+
+CEPH_FS = frozenset({"ceph", "fuse.ceph-fuse", "fuse.ceph"})
+"""CephFS, through the kernel client or ceph-fuse."""
+GLUSTER_FS = frozenset({"glusterfs", "fuse.glusterfs"})
+"""GlusterFS through its FUSE client."""
+
+
+DIRECT_IO_SLOW = frozenset({"fuse.ceph-fuse", "fuse.ceph"})
+"""Filesystems that accept ``O_DIRECT`` but run it far slower than buffered I/O.
+
+ceph-fuse sends each direct request to the OSDs and waits for it: 256 MiB
+took 9.7 s with ``dd oflag=direct conv=fsync`` against 1.3 s buffered, and
+direct reads ran at 300 MB/s against 500 buffered. GlusterFS's FUSE client
+is the other way round (1.6 s direct, 2.9 s buffered), so it is not here.
+"""
+
+_direct_pays: dict[int, bool] = {}
+
+
+def direct_io_pays(directory: str | os.PathLike[str]) -> bool:
+    """Whether ``O_DIRECT`` on files in ``directory`` is worth asking for.
+
+    Whether ``open`` accepts the flag says nothing about its speed, so this
+    goes by the filesystem type. Cached per filesystem (``st_dev``).
+    """
+    try:
+        dev = os.stat(directory).st_dev
+    except OSError:
+        return True  # the open that follows reports the real problem
+    pays = _direct_pays.get(dev)
+    if pays is None:
+        m = mount_for(directory)
+        pays = _direct_pays[dev] = m is None or m.fstype not in DIRECT_IO_SLOW
+    return pays
 
 
 def cgroup_mount(controller: str, mounts: list[Mount] | None = None) -> Mount | None:

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from .mounts import Mount
 
 __all__ = [
+    "DirQuota",
     "Quota",
     "QuotaUsage",
+    "ceph_quotas",
     "get_project",
     "get_quota",
     "parse_quota_lines",
@@ -155,3 +157,44 @@ def user_quota(mount: Mount, user: str, uid: int, timeout: float, run: Runner) -
         return None
     # `quota` exits 1 when the user is over a limit: the lines are still there.
     return parse_quota_lines(out, mount.mount_point, tool)
+
+
+@dataclass(frozen=True)
+class DirQuota:
+    """A CephFS directory quota: limits in bytes and files (0: none), usage as the MDS counts it."""
+
+    directory: str
+    max_bytes: int
+    max_files: int
+    used_bytes: int
+    used_files: int
+
+
+def _xattr_int(path: str, name: str) -> int:
+    try:
+        return int(os.getxattr(path, name).split(b"\0")[0] or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def ceph_quotas(path: str | os.PathLike[str], mount_point: str) -> list[DirQuota]:
+    """The CephFS quotas on ``path`` and each parent up to ``mount_point``, nearest first.
+
+    CephFS keeps a quota as the ``ceph.quota.max_bytes`` / ``max_files``
+    xattrs of any directory, and the client enforces every one above a file.
+    ``statvfs`` inside such a directory still shows the whole filesystem (unless
+    the directory is the mount's root), so ``df`` does not see them. Usage is
+    the recursive ``ceph.dir.rbytes`` / ``rfiles``, which the MDS updates a
+    few seconds behind the writes.
+    """
+    out = []
+    p = os.path.realpath(path)
+    top = os.path.realpath(mount_point)
+    while True:
+        max_bytes, max_files = _xattr_int(p, "ceph.quota.max_bytes"), _xattr_int(p, "ceph.quota.max_files")
+        if max_bytes or max_files:
+            out.append(DirQuota(p, max_bytes, max_files, _xattr_int(p, "ceph.dir.rbytes"),
+                                _xattr_int(p, "ceph.dir.rfiles")))  # fmt: skip
+        if p == top or p == os.path.dirname(p):
+            return out
+        p = os.path.dirname(p)

@@ -161,18 +161,27 @@ def iter_valid(
     warning with its reason. Callers pass over a yielded candidate that later
     fails its checksum by simply continuing the loop.
     """
-    candidates = sorted(
-        ((step, p) for d in run_dirs for step, p in list_steps(Path(d))),
-        key=lambda sp: sp[0],
-        reverse=True,
-    )
-    for step, path in candidates:
-        try:
-            man = verify_checkpoint(path, full=full)
-        except CheckpointCorrupt as e:
-            note_skip(path, str(e), skipped)
-            continue
-        yield Candidate(step, path, man)
+    dirs = [Path(d) for d in run_dirs]
+    seen: set[Path] = set()
+    # Another client's retention can delete every checkpoint this listing holds
+    # while a newer one, committed after the listing, takes their place: when
+    # one vanished, list again (a few times at most) rather than answer "none".
+    for _ in range(3):
+        candidates = sorted(
+            ((step, p) for d in dirs for step, p in list_steps(d) if p not in seen),
+            key=lambda sp: sp[0],
+            reverse=True,
+        )
+        for step, path in candidates:
+            seen.add(path)
+            try:
+                man = verify_checkpoint(path, full=full)
+            except CheckpointCorrupt as e:
+                note_skip(path, str(e), skipped)
+                continue
+            yield Candidate(step, path, man)
+        if all(p.exists() for p in seen):
+            return
 
 
 def note_skip(path: Path, reason: str, skipped: list[Skipped] | None) -> None:

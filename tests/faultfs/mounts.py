@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from .control import FaultFS
 
@@ -63,11 +64,11 @@ def mount_faultfs(root: Path, mnt: Path, sock: Path, *, timeout: float = 30.0, u
     mnt.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = open(sock.with_suffix(".log"), "w+b")  # noqa: SIM115 - closed in finally
-    user = {"user": uid, "group": gid, "extra_groups": []} if uid is not None else {}
+    user: dict[str, Any] = {"user": uid, "group": gid, "extra_groups": []} if uid is not None else {}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.faultfs", str(root), str(mnt), "--control", str(sock),
          *(f"--option={o}" for o in options)],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **user,  # type: ignore[call-overload]
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **user,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + timeout
