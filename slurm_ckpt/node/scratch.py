@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import StorageError, storage_error
+from .mounts import mount_id
 from .rootdir import open_root_dir
 
 if TYPE_CHECKING:
@@ -189,18 +190,6 @@ def _expired(deadline: Deadline | None) -> bool:
 def _is_empty(fd: int) -> bool:
     with os.scandir(fd) as it:
         return next(it, None) is None
-
-
-def mount_id(fd: int) -> int | None:
-    """The mount an fd is on (``mnt_id`` in /proc/self/fdinfo), or None where not shown."""
-    try:
-        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
-            for line in f:
-                if line.startswith(b"mnt_id:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _clear_pass(root_fd: int, dev: int, mnt: int | None, out: Removal, deadline: Deadline | None) -> None:
