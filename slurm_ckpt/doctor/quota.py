@@ -60,14 +60,7 @@ def check_quota(report: Report, ctx: Context, mount: Mount | None,
         left = max(0, q.limit - q.used)
         msg = f"{kind} quota {q.id}: {fmt_bytes(q.used)} used of {fmt_bytes(q.limit)}, {fmt_bytes(left)} left"
         data = {"kind": kind, "id": q.id, "used_bytes": q.used, "limit_bytes": q.limit}
-        fix = "ask for more quota, lower storage.keep, or delete old checkpoints"
-        need = ctx.ckpt_size or 0
-        if left < max(need, 64 << 20):
-            report.add("quota", Severity.ERROR, msg + ": the next checkpoint fails with EDQUOT", fix, **data)
-        elif need and left < 2 * need:
-            report.add("quota", Severity.WARN, msg + ": room for one more checkpoint", fix, **data)
-        else:
-            report.add("quota", Severity.OK, msg, **data)
+        _grade(report, ctx, msg, left, _FIX, **data)
     if not found:
         report.add("quota", Severity.OK, f"no user, group or project quota on {mount.source}")
 
