@@ -37,7 +37,7 @@ if typing.TYPE_CHECKING:
     from .checkpointer import Checkpointer, SaveHandle
     from .loopstate import ResumableSampler, rng_state, set_rng_state
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # name -> the module that defines it.
 _LAZY = {

@@ -1,0 +1,36 @@
+"""Each release's results table in the docs is the one its bench JSON makes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.results import results_table
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNS = sorted((ROOT / "docs" / "results").glob("*.json"))
+
+
+def _key(path: Path) -> tuple[int, ...]:
+    return tuple(int(part) for part in path.stem.split("."))
+
+
+def test_there_is_a_run_for_the_current_release() -> None:
+    from slurm_ckpt import __version__
+
+    assert any(run.stem == __version__ for run in RUNS), f"no docs/results/{__version__}.json"
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda p: p.stem)
+def test_performance_page_holds_each_release_table(run: Path) -> None:
+    table = results_table(json.loads(run.read_text()), run.stem)
+    assert table in (ROOT / "docs" / "performance.md").read_text(), (
+        f"docs/performance.md lacks the table of {run.name}: python -m bench.results {run}"
+    )
+
+
+def test_readme_holds_the_newest_table() -> None:
+    newest = max(RUNS, key=_key)
+    assert results_table(json.loads(newest.read_text()), newest.stem) in (ROOT / "README.md").read_text()
