@@ -168,14 +168,16 @@ def read_header(f: Any, path: Path, size: int) -> tuple[bytes, dict[str, Any]]:
 
 
 def _valid_entry(info: Any) -> bool:
+    # Runs once per tensor on every load and quick verify, so it unpacks instead of looping.
     if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
         return False
     offsets, shape = info.get("data_offsets"), info.get("shape")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not isinstance(shape, list):
+    if type(offsets) is not list or len(offsets) != 2 or type(shape) is not list:
         return False
-    if not all(type(x) is int for x in (*offsets, *shape)):
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
         return False
-    return 0 <= offsets[0] <= offsets[1] and all(x >= 0 for x in shape)
+    return all(type(x) is int and x >= 0 for x in shape)
 
 
 def read_tensors(
