@@ -29,6 +29,7 @@ from .errors import (
     SlurmError,
     SnapshotChanged,
     StorageError,
+    StorageHung,
     UnsafeLoad,
     UnsupportedValue,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "SlurmError",
     "SnapshotChanged",
     "StorageError",
+    "StorageHung",
     "UnsafeLoad",
     "UnsupportedValue",
     "__version__",

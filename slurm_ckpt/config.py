@@ -138,6 +138,10 @@ class StorageConfig:
     """Copy checkpoints from node-local scratch to the durable run dir in the background while
     the job runs; false leaves that to the epilog's stage-out after the job (no checkpoint
     traffic on shared storage during training, but only scratch holds them until then)."""
+    hang_timeout: Duration = Duration(60)
+    """Seconds a save waits for the durable run dir's storage to answer (a hung file server)
+    before it gives up: with node-local scratch the checkpoint commits there and is copied
+    later; without, the save fails with StorageHung and training goes on."""
     stage_out_roots: tuple[str, ...] = ()
     """Dirs the epilog's stage-out may write under: a job's TIER.json naming a durable run
     dir elsewhere is refused (its checkpoint goes to <root>/<user>/job_<id>); empty: root only."""
@@ -145,6 +149,8 @@ class StorageConfig:
     def validate(self) -> None:
         if self.keep < 1:
             raise ConfigError("storage.keep must be at least 1")
+        if not 0 < self.hang_timeout < float("inf"):
+            raise ConfigError(f"storage.hang_timeout must be a number of seconds above 0, got {self.hang_timeout!r}")
         if self.on_async_error not in ("raise", "warn"):
             raise ConfigError("storage.on_async_error must be 'raise' or 'warn'")
         for root in self.stage_out_roots:

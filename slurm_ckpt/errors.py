@@ -12,7 +12,8 @@ so ``except OSError`` in a user's code still catches a full disk::
      ├── SnapshotChanged(RuntimeError)    a tensor changed while a save still read it
      ├── LockHeld(TimeoutError)           another writer owns the run dir
      ├── StorageError(OSError)            an I/O call failed; carries path and errno
-     │    └── NoSpace                     ENOSPC / EDQUOT
+     │    ├── NoSpace                     ENOSPC / EDQUOT
+     │    └── StorageHung(TimeoutError)   the storage did not answer within storage.hang_timeout
      ├── SlurmError(RuntimeError)         a Slurm command failed
      └── ShardError(RuntimeError)         another rank failed its part of a sharded save
 
@@ -36,6 +37,7 @@ __all__ = [
     "SlurmError",
     "SnapshotChanged",
     "StorageError",
+    "StorageHung",
     "UnsafeLoad",
     "UnsupportedValue",
     "storage_error",
@@ -155,6 +157,25 @@ def _rebuild_storage_error(
 
 class NoSpace(StorageError):
     """ENOSPC or EDQUOT: the filesystem or the quota is full."""
+
+
+class StorageHung(StorageError, TimeoutError):
+    """The durable storage did not answer within ``storage.hang_timeout`` seconds.
+
+    The call still hangs in a worker that the caller no longer waits for; the
+    save it belonged to is not committed (the previous checkpoint stays the
+    newest valid one) and training can go on.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], seconds: float, what: str = "saving a checkpoint") -> None:
+        super().__init__(
+            _errno.ETIMEDOUT,
+            f"{what}: no answer from the storage in {seconds:g}s (storage.hang_timeout)",
+            path,
+            hint="the file server is hung or unreachable: run `slurm-ckpt doctor` on the run dir; set "
+            "SLURM_CKPT_SCRATCH (node-local scratch) so saves commit there and are copied when it is back, "
+            "or raise storage.hang_timeout for storage that is slow but alive",
+        )
 
 
 class SlurmError(SlurmCkptError, RuntimeError):

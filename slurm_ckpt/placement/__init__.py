@@ -43,6 +43,7 @@ def choose(
     scratch: str | Path | bool | None = None,
     lock_timeout: float | None = 0,
     on_lag: Callable[[float], None] | None = None,
+    on_stall: Callable[[bool], None] | None = None,
 ) -> Placement:
     """The placement for this process's saves into ``run_dir``.
 
@@ -54,13 +55,14 @@ def choose(
 
     One process: :class:`Local`, with tiers when scratch is usable. Several
     ranks: :class:`CrossNode` when any rank has usable scratch, else
-    :class:`Collective`. ``on_lag`` hears the stage-out lag in seconds.
+    :class:`Collective`. ``on_lag`` hears the stage-out lag in seconds, ``on_stall``
+    whether the durable tier's I/O is stuck past ``storage.hang_timeout`` (one process).
     """
     group = open_group(distributed)
     fast = scratch_tier(run_dir.path, scratch)
     if group is None:
         return Local.setup(run_dir, fast, storage=storage, keep=keep, lock_timeout=lock_timeout,
-                           on_lag=on_lag)  # fmt: skip
+                           on_lag=on_lag, on_stall=on_stall)  # fmt: skip
     # Every rank takes part in setup (a collective), with or without scratch.
     crossnode = CrossNode.setup(group, run_dir, fast, keep=keep, lock_timeout=lock_timeout,
                                 on_lag=on_lag, drain=storage.drain)  # fmt: skip

@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from ..config import StorageConfig
-from ..errors import CheckpointCorrupt
+from ..errors import CheckpointCorrupt, StorageHung
 from ..ranks import RankGroup
 from ..store import RunDir, Skipped, iter_valid, note_skip
+from ..store.bounded import Bound
 from ..store.commit import WriteFn
-from ..store.retry import RetryPolicy, commit_resilient
+from ..store.retry import RetryPolicy, Target, commit_resilient
 from ..store.tiers import Tiers
 from ..store.verify import is_committed
 from .base import Load
@@ -22,33 +23,54 @@ __all__ = ["Local"]
 log = logging.getLogger("slurm_ckpt")
 
 
+class _BoundedDir:
+    """The durable run dir as a commit target whose commit is given up after
+    ``storage.hang_timeout`` (``store/bounded.py``)."""
+
+    def __init__(self, run_dir: RunDir, bound: Bound) -> None:
+        self.run_dir, self.bound = run_dir, bound
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir.path
+
+    def commit(self, step: int, write: WriteFn, **meta: Any) -> Path:
+        return self.bound.call(lambda: self.run_dir.commit(step, write, **meta), f"saving checkpoint {step}")
+
+
 class Local:
     """One process's checkpoints: the run dir, with an optional scratch tier in front
     (``store/tiers.py``)."""
 
     group: RankGroup | None = None
 
-    def __init__(self, run_dir: RunDir, tiers: Tiers | None, storage: StorageConfig, keep: int) -> None:
+    def __init__(self, run_dir: RunDir, tiers: Tiers | None, storage: StorageConfig, keep: int,
+                 on_stall: Callable[[bool], None] | None = None) -> None:  # fmt: skip
         self.run_dir, self.tiers, self.keep = run_dir, tiers, keep
+        # The durable tier's I/O runs on a worker the save stops waiting for after
+        # hang_timeout: a call hung in the kernel cannot be interrupted.
+        self.bound = Bound(run_dir.path, storage.hang_timeout, on_stall)
+        durable = _BoundedDir(run_dir, self.bound)
         # With tiers: scratch first; when it fails for good, the durable tier.
-        self._dirs = [run_dir] if tiers is None else [tiers.fast, run_dir]
+        self._dirs: list[Target] = [durable] if tiers is None else [tiers.fast, durable]
         self._policies = [RetryPolicy.for_path(storage, d.path) for d in self._dirs]
 
     @classmethod
     def setup(cls, run_dir: RunDir, fast: Path | None, *, storage: StorageConfig, keep: int,
-              lock_timeout: float | None = 0, on_lag: Callable[[float], None] | None = None) -> Local:  # fmt: skip
+              lock_timeout: float | None = 0, on_lag: Callable[[float], None] | None = None,
+              on_stall: Callable[[bool], None] | None = None) -> Local:  # fmt: skip
         """A Local placement, with tiers when ``fast`` (``<scratch>/ckpt``) can be used."""
         tiers = None
         if fast is not None:
             tiers = Tiers(RunDir(fast, lock_timeout=lock_timeout), run_dir, keep=keep,
                           policy=RetryPolicy.for_path(storage, run_dir.path), on_lag=on_lag,
-                          drain=storage.drain)  # fmt: skip
+                          drain=storage.drain, stall_after=storage.hang_timeout, on_stall=on_stall)  # fmt: skip
             try:
                 tiers.activate()
             except OSError as e:
                 log.warning("cannot use scratch %s (%s); saving to %s only", fast, e, run_dir.path)
                 tiers = None
-        return cls(run_dir, tiers, storage, keep)
+        return cls(run_dir, tiers, storage, keep, on_stall)
 
     @property
     def search_dirs(self) -> list[Path]:
@@ -66,7 +88,10 @@ class Local:
             tiers.submit(step, path)
             tiers.fast.retain(self.keep, protect=[path, *tiers.protected()])
         else:
-            self.run_dir.retain(self.keep, protect=[path])
+            try:
+                self.bound.call(lambda: self.run_dir.retain(self.keep, protect=[path]), "retention")
+            except StorageHung as e:  # committed already: old checkpoints wait for the next save
+                log.warning("checkpoint %d committed, but %s", step, e)
 
     def is_durable(self, step: int) -> bool:
         if self.tiers is not None:
@@ -94,4 +119,8 @@ class Local:
         try:
             return self.tiers.close(timeout) if self.tiers is not None else True
         finally:
-            self.run_dir.unlock()
+            if self.tiers is None or not self.tiers.stalled:  # a stalled drain holds the lock
+                try:  # releasing the lock is a call to the storage too
+                    self.bound.call(self.run_dir.unlock, "releasing the run dir lock")
+                except StorageHung as e:
+                    log.warning("%s", e)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import StorageError, storage_error
+from .bounded import check_live
 from .fsutil import exchange_or_replace_dir, fsync_file, remove_tree, write_file_durably
 from .layout import step_dir, tmp_dir_for
 from .manifest import MANIFEST, Manifest
@@ -131,11 +132,15 @@ def _commit_in(parent: Path, parent_fd: int, step: int, write: WriteFn, tmp: Pat
         # 1-2. Data into the temp dir; the writer fsyncs each file, because a
         # rename is only as durable as the data it points at.
         files, tensors = write(into)
+        # A save given up on (hung storage, store/bounded.py) stops here: the trainer
+        # went on, so the data written since may not be the state it saved.
+        check_live()
         # 3. The manifest last, fsynced: its presence is what "complete" means.
         man = Manifest(step=step, files=files, tensors=tensors, **meta)
         write_file_durably(into / MANIFEST, man.to_bytes())
         # 4. fsync the temp dir so its entries (the files just created) survive a crash.
         fsync_file(tmp_fd, tmp)
+        check_live()
         # 5. Atomic rename: the checkpoint appears whole or not at all.
         if if_exists == "keep":
             if not _rename_unless_there(parent_fd, tmp, final):

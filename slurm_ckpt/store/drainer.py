@@ -7,10 +7,13 @@ here once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
+
+from .bounded import stall_watch
 
 __all__ = ["Drainer"]
 
@@ -28,6 +31,12 @@ class Drainer(Generic[T]):
     with it held (``cv``, re-entrant, so owners may take it around their own
     bookkeeping). A failed copy is kept for :meth:`take_error`; the item stays
     ``newest`` (so retention keeps it) until a later item is copied.
+
+    A copy still running after ``stall_after`` seconds is *stalled* (the durable
+    storage hangs): ``on_stall(True)`` is called, and :meth:`drain` stops
+    waiting for it, since nothing can end a call hung in the kernel; the item
+    stays on scratch for a later drain or the epilog. ``on_stall(False)`` when
+    that copy ends.
     """
 
     def __init__(
@@ -39,8 +48,12 @@ class Drainer(Generic[T]):
         enabled: bool = True,
         on_done: Callable[[T, Any], None] | None = None,
         on_change: Callable[[], None] | None = None,
+        stall_after: float | None = None,
+        on_stall: Callable[[bool], None] | None = None,
     ) -> None:
         self._copy, self._name, self._describe = copy, name, describe
+        self._stall_after, self._on_stall = stall_after, on_stall
+        self.stalled = False
         self.enabled = enabled
         """False (storage.drain): nothing is copied while the job runs; the epilog stages out."""
         self._on_done, self._on_change = on_done, on_change
@@ -72,11 +85,11 @@ class Drainer(Generic[T]):
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until the thread is idle; True if the newest item was copied.
 
-        False when ``timeout`` (seconds) passed first or the copy failed.
+        False when ``timeout`` (seconds) passed first, the copy failed, or it is stalled.
         """
         with self.cv:
-            idle = self.cv.wait_for(lambda: self._thread is None, timeout)
-            return idle and self.newest is None
+            idle = self.cv.wait_for(lambda: self._thread is None or self.stalled, timeout)
+            return idle and self._thread is None and self.newest is None
 
     def take_error(self) -> BaseException | None:
         """The last copy error, once; None if there was none since the last call."""
@@ -88,6 +101,22 @@ class Drainer(Generic[T]):
         if self._on_change is not None:
             self._on_change()
 
+    def _watch(self, item: T) -> contextlib.AbstractContextManager[None]:
+        if self._stall_after is None:
+            return contextlib.nullcontext()
+
+        def stall(on: bool) -> None:
+            if on:
+                log.error("%s: no answer from the storage in %.0fs (storage.hang_timeout); the "
+                          "checkpoint stays on scratch until it answers", self._describe(item), self._stall_after)  # fmt: skip
+            with self.cv:
+                self.stalled = on
+                self.cv.notify_all()
+            if self._on_stall is not None:
+                self._on_stall(on)
+
+        return stall_watch(self._stall_after, stall)
+
     def _run(self) -> None:
         while True:
             with self.cv:
@@ -98,7 +127,8 @@ class Drainer(Generic[T]):
                     self._thread = None
                     return
             try:
-                result = self._copy(item)
+                with self._watch(item):
+                    result = self._copy(item)
             except Exception as e:  # surfaced by the Checkpointer per storage.on_async_error
                 log.error("%s failed: %s; it stays on scratch for the next save or the epilog",
                           self._describe(item), e)  # fmt: skip

@@ -18,6 +18,9 @@ The contract other parts rely on:
 * A failed copy (read-only or full durable storage) is logged and kept for the
   Checkpointer to surface per ``storage.on_async_error``; the scratch copy stays
   for the next drain or the epilog's stage-out.
+* A copy that the durable storage leaves hanging past ``stall_after``
+  (``storage.hang_timeout``) is stalled: ``drain()`` and ``close()`` stop
+  waiting for it, and saves go on committing to scratch.
 * Discovery looks at both tiers, newest valid first; on equal steps the fast
   tier comes first.
 """
@@ -114,6 +117,8 @@ class Tiers:
         policy: RetryPolicy | None = None,
         on_lag: Callable[[float], None] | None = None,
         drain: bool = True,
+        stall_after: float | None = None,
+        on_stall: Callable[[bool], None] | None = None,
     ) -> None:
         self.fast, self.durable, self.keep = fast, durable, keep
         self._policy = policy or RetryPolicy()
@@ -129,6 +134,8 @@ class Tiers:
             enabled=drain,
             on_done=self._done,
             on_change=self._report_lag,
+            stall_after=stall_after,
+            on_stall=on_stall,
         )
 
     def __repr__(self) -> str:
@@ -191,17 +198,27 @@ class Tiers:
         """
         return self._drainer.drain(timeout)
 
+    @property
+    def stalled(self) -> bool:
+        """True while a copy has hung past ``stall_after`` and not returned."""
+        return self._drainer.stalled
+
     def take_error(self) -> BaseException | None:
         """The last copy error, once; None if there was none since the last call."""
         return self._drainer.take_error()
 
     def close(self, timeout: float | None = None) -> bool:
-        """Drain, then release both run dirs' locks. Returns what :meth:`drain` does."""
+        """Drain, then release both run dirs' locks. Returns what :meth:`drain` does.
+
+        A stalled drain keeps the durable lock: releasing it is a call to the
+        hung storage too; it goes with the process.
+        """
         try:
             return self.drain(timeout)
         finally:
             self.fast.unlock()
-            self.durable.unlock()
+            if not self.stalled:
+                self.durable.unlock()
 
     def _done(self, item: _Item, dst: Path) -> None:
         # Called by the drainer with its lock held.
