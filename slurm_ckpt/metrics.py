@@ -18,6 +18,7 @@ Exported series (every one carries ``job_id``, ``rank`` and ``user`` labels)::
     slurm_ckpt_last_committed_step            gauge      step of the newest commit
     slurm_ckpt_last_committed_timestamp_seconds gauge    its wall-clock time
     slurm_ckpt_stageout_lag_seconds           gauge      age of the oldest checkpoint not yet durable
+    slurm_ckpt_durable_stalled                gauge      1 while durable-tier I/O hangs past storage.hang_timeout
     slurm_ckpt_requeues_total                 counter    times this job was requeued
     slurm_ckpt_start_timestamp_seconds        gauge      when this process started
 """
@@ -58,6 +59,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "last_committed_step": ("gauge", "Step of the newest committed checkpoint."),
     "last_committed_timestamp_seconds": ("gauge", "Unix time of the newest commit."),
     "stageout_lag_seconds": ("gauge", "Age of the oldest checkpoint not yet on the durable tier (0: none)."),
+    "durable_stalled": ("gauge", "1 while a call to the durable tier has hung past storage.hang_timeout, else 0."),
     "requeues_total": ("counter", "Times this job has been requeued (SLURM_RESTART_COUNT)."),
     "start_timestamp_seconds": ("gauge", "Unix time this training process started."),
 }
@@ -132,7 +134,7 @@ class Metrics:
         self._values: dict[str, float] = {
             "save_bytes_total": 0, "load_bytes_total": 0, "saves_total": 0,
             "requeues_total": requeues, "start_timestamp_seconds": clock(),
-            "stageout_lag_seconds": 0,
+            "stageout_lag_seconds": 0, "durable_stalled": 0,
         }  # fmt: skip
         self._failures: dict[str, int] = {}
         self._warned = False
@@ -214,6 +216,11 @@ class Metrics:
     def set_stageout_lag(self, seconds: float) -> None:
         with self._lock:
             self._values["stageout_lag_seconds"] = max(0.0, seconds)
+        self.flush()
+
+    def set_durable_stalled(self, stalled: bool) -> None:
+        with self._lock:
+            self._values["durable_stalled"] = 1 if stalled else 0
         self.flush()
 
     # -- output -----------------------------------------------------------

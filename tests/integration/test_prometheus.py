@@ -47,7 +47,7 @@ def names_in(expr: str) -> set[str]:
 def test_promtool_accepts_the_rules() -> None:
     r = subprocess.run([tool("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 5 rules found" in r.stdout
+    assert "SUCCESS: 6 rules found" in r.stdout
 
 
 def test_rules_only_use_exported_metrics() -> None:
@@ -84,6 +84,9 @@ tests:
         values: '5x120'
       - series: 'slurm_ckpt_stageout_lag_seconds{{job_id="2",rank="0",instance="n1"}}'
         values: '0+60x120'
+      # job 5's durable tier hangs from minute 10 to minute 20.
+      - series: 'slurm_ckpt_durable_stalled{{job_id="5",rank="0",instance="n4"}}'
+        values: '0x9 1x10 0x100'
     alert_rule_test:
       - eval_time: 50m
         alertname: SlurmCkptNoRecentCheckpoint
@@ -127,6 +130,19 @@ tests:
             exp_annotations:
               summary: "Job 2: a checkpoint has waited 40m 0s for stage-out"
               description: "A checkpoint exists only on node-local scratch. If the node dies it is lost. Check the durable filesystem's space and health (`slurm-ckpt doctor <durable dir>`)."
+      - eval_time: 11m
+        alertname: SlurmCkptDurableStalled
+        exp_alerts: []
+      - eval_time: 15m
+        alertname: SlurmCkptDurableStalled
+        exp_alerts:
+          - exp_labels: {{severity: critical, job_id: "5", rank: "0", instance: n4}}
+            exp_annotations:
+              summary: "Job 5: the durable checkpoint storage does not answer"
+              description: "A save or a copy to the durable tier on n4 has hung past storage.hang_timeout. Checkpoints stay on node-local scratch (or saves fail without it). Check the file server; `slurm-ckpt doctor <durable dir>` names the hung mount."
+      - eval_time: 25m
+        alertname: SlurmCkptDurableStalled
+        exp_alerts: []
 """
 
 
@@ -253,4 +269,4 @@ def test_real_scrape_and_alert_evaluation(tmp_path: Path) -> None:
         assert alert["labels"]["job_id"] == "777"
         groups = get_json(f"{api}/rules")["data"]["groups"]
         health = {r["name"]: r["health"] for g in groups for r in g["rules"]}
-        assert len(health) == 5 and set(health.values()) == {"ok"}, health
+        assert len(health) == 6 and set(health.values()) == {"ok"}, health
