@@ -35,6 +35,10 @@ class _BoundedDir:
         return self.run_dir.path
 
     def commit(self, step: int, write: WriteFn, **meta: Any) -> Path:
+        if not self.run_dir.locked:
+            # Waiting for another writer's lock is not a hang: that wait has its own timeout.
+            wait = self.run_dir.lock_timeout
+            self.bound.call(self.run_dir.lock, "locking the run dir", extra=wait)
         return self.bound.call(lambda: self.run_dir.commit(step, write, **meta), f"saving checkpoint {step}")
 
 

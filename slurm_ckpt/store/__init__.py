@@ -85,6 +85,16 @@ class RunDir:
         except OSError as e:
             raise storage_error(e, "cannot create run dir", self.path) from e
 
+    @property
+    def locked(self) -> bool:
+        """True while this process holds the writer lock."""
+        return self._lock.held
+
+    @property
+    def lock_timeout(self) -> float | None:
+        """Seconds :meth:`lock` waits for another writer; None: without end."""
+        return None if self._lock.timeout < 0 else self._lock.timeout
+
     def lock(self) -> None:
         """Take the writer lock (once) and clear temp dirs left by dead writers."""
         from .retention import remove_stale_tmp

@@ -66,9 +66,13 @@ class Bound:
         t = self.abandoned
         return t is not None and t.is_alive()
 
-    def call(self, fn: Callable[[], T], what: str = "saving a checkpoint") -> T:
+    def call(self, fn: Callable[[], T], what: str = "saving a checkpoint", *, extra: float | None = 0.0) -> T:
         """``fn()`` on a worker thread; its result or error, or :class:`StorageHung`
-        once ``timeout`` seconds pass (or at once while an earlier call is still stuck)."""
+        once ``timeout`` seconds pass (or at once while an earlier call is still stuck).
+
+        ``extra``: seconds the call may wait on purpose on top (for a lock
+        another writer holds); None waits without bound.
+        """
         if self.stalled:
             raise StorageHung(self.path, self.timeout, f"{what} (an earlier call there is still stuck)")
         done = threading.Event()
@@ -96,7 +100,7 @@ class Bound:
         worker = threading.Thread(target=run, name="slurm-ckpt-durable-io", daemon=True)
         started = time.monotonic()
         worker.start()
-        if not done.wait(self.timeout):
+        if not done.wait(None if extra is None else self.timeout + extra):
             with self._lock:
                 if not done.is_set():  # else it returned just now: its result stands
                     self.abandoned = worker
