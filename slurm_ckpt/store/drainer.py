@@ -109,11 +109,11 @@ class Drainer(Generic[T]):
             if on:
                 log.error("%s: no answer from the storage in %.0fs (storage.hang_timeout); the "
                           "checkpoint stays on scratch until it answers", self._describe(item), self._stall_after)  # fmt: skip
+            if self._on_stall is not None:  # first: a drain() that returns on the stall sees it reported
+                self._on_stall(on)
             with self.cv:
                 self.stalled = on
                 self.cv.notify_all()
-            if self._on_stall is not None:
-                self._on_stall(on)
 
         return stall_watch(self._stall_after, stall)
 
