@@ -29,6 +29,7 @@ import csv
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,11 +76,16 @@ def finishes_now(trainer: Trainer) -> bool:
     return last_epoch and fit_loop.epoch_loop._num_ready_batches_reached()
 
 
-def stop_after_batch(trainer: Trainer) -> tuple[Any, Any]:
-    """End ``fit`` after this training batch, and make what the stopped job does after it
-    leave no trace that the run not stopped would not leave. Returns what :func:`undo_stop`
-    puts back when ``fit`` ends.
+def stop_after_batch(trainer: Trainer, checkpoint: Callable[[], None]) -> tuple[Any, Any]:
+    """Call ``checkpoint`` once Lightning has finished this training batch, end ``fit``
+    there, and make what the stopped job does after it leave no trace that the run not
+    stopped would not leave. Returns what :func:`undo_stop` puts back when ``fit`` ends.
 
+    * ``checkpoint`` runs where the run not stopped would fetch the next batch:
+      after the batch's end hooks, Lightning still logs the batch and steps a
+      ``ReduceLROnPlateau`` with ``interval="step"`` on the metrics the batch
+      logged, and a checkpoint taken in ``on_train_batch_end`` would hold the
+      scheduler before that step.
     * ``trainer.should_stop`` stops ``fit`` only once ``min_epochs`` and ``min_steps``
       are met; they are lifted for the rest of this ``fit``.
     * Lightning validates when ``should_stop`` is set (for early stopping): that
@@ -106,6 +112,15 @@ def stop_after_batch(trainer: Trainer) -> tuple[Any, Any]:
             connector.log_metrics = lambda *args, **kwargs: None  # type: ignore[method-assign]
 
     connector.update_train_step_metrics = update_train_step_metrics  # type: ignore[method-assign]
+    loop = fit_loop.epoch_loop
+    save_loggers = loop._save_loggers_on_train_batch_end
+
+    def save_loggers_on_train_batch_end() -> None:  # the last thing of the batch
+        del loop._save_loggers_on_train_batch_end
+        checkpoint()
+        save_loggers()
+
+    loop._save_loggers_on_train_batch_end = save_loggers_on_train_batch_end  # type: ignore[method-assign]
     trainer.should_stop = True
     return mins
 
@@ -115,6 +130,7 @@ def undo_stop(trainer: Trainer, mins: tuple[Any, Any]) -> None:
     trainer.fit_loop.min_epochs, trainer.fit_loop.epoch_loop.min_steps = mins
     for name in ("update_train_step_metrics", "log_metrics"):
         trainer._logger_connector.__dict__.pop(name, None)
+    trainer.fit_loop.epoch_loop.__dict__.pop("_save_loggers_on_train_batch_end", None)
 
 
 def val_clock(trainer: Trainer) -> float | None:

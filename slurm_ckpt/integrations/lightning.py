@@ -449,7 +449,7 @@ class PreemptionCallback(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:  # fmt: skip
-        if self.stopped:
+        if self.stopped or self._undo is not None:
             return
         io = self._io(trainer)
         # Every rank, every batch: the agreement is a collective.
@@ -463,10 +463,12 @@ class PreemptionCallback(Callback):
                 log.info("checkpoint requested at step %d: stopping after %s", trainer.global_step, pending)
                 self._waiting_for = pending
             return
-        path = Path(trainer.default_root_dir) / self.filename
-        trainer.save_checkpoint(path)
-        io.wait()  # committed (and reported to the wrapper) before fit returns
-        self.stopped, self.step = True, trainer.global_step
-        io._stopped_at = trainer.global_step
-        self._undo = stop_after_batch(trainer)
-        log.info("checkpointed step %d on request; stopping", trainer.global_step)
+
+        def checkpoint() -> None:
+            trainer.save_checkpoint(Path(trainer.default_root_dir) / self.filename)
+            io.wait()  # committed (and reported to the wrapper) before fit returns
+            self.stopped, self.step = True, trainer.global_step
+            io._stopped_at = trainer.global_step
+            log.info("checkpointed step %d on request; stopping", trainer.global_step)
+
+        self._undo = stop_after_batch(trainer, checkpoint)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -66,6 +66,9 @@ class Cell:
     limit_train_batches: int | None = None
     val_loaders: int = 1
     rank_seed: bool = False  # each rank seeds its generators with its own seed
+    plateau: bool = False  # ReduceLROnPlateau each step on the training loss, in place of StepLR
+    early_stopping: bool = False  # EarlyStopping on the validation loss
+    reload_dataloaders: int = 0  # reload_dataloaders_every_n_epochs
 
 
 class Clock:
@@ -138,6 +141,10 @@ class Model(LightningModule):
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        if self.cell.plateau:
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.7, patience=1)
+            return {"optimizer": opt,
+                    "lr_scheduler": {"scheduler": plateau, "interval": "step", "monitor": "train_loss"}}  # fmt: skip
         if self.cell.epoch_scheduler:
             sched: Any = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
@@ -225,6 +232,8 @@ def _fit_on(cell: Cell, root: Path, model: Model, extra: list[Callback], plugins
         kw["val_check_interval"] = timedelta(seconds=cell.val_check_seconds)
     if cell.limit_train_batches is not None:
         kw["limit_train_batches"] = cell.limit_train_batches
+    if cell.early_stopping:
+        extra = [*extra, EarlyStopping(monitor="val_loss", patience=3, min_delta=0.05)]
     mc, enabled = _checkpoint_callbacks(cell, root)
     logger: Any = False
     if cell.logger:
@@ -233,7 +242,8 @@ def _fit_on(cell: Cell, root: Path, model: Model, extra: list[Callback], plugins
     trainer = Trainer(max_steps=cell.max_steps, max_epochs=cell.max_epochs, min_steps=cell.min_steps,
                       min_epochs=cell.min_epochs, check_val_every_n_epoch=cell.check_val_every_n_epoch,
                       accumulate_grad_batches=cell.accumulate, enable_checkpointing=enabled, logger=logger,
-                      log_every_n_steps=cell.log_every_n_steps, enable_progress_bar=False, enable_model_summary=False,
+                      log_every_n_steps=cell.log_every_n_steps,
+                      reload_dataloaders_every_n_epochs=cell.reload_dataloaders, enable_progress_bar=False, enable_model_summary=False,
                       default_root_dir=root, callbacks=[*extra, *mc], plugins=plugins, **kw)  # fmt: skip
     trainer.fit(model, train, val if cell.val else None, ckpt_path=ckpt_path)
     return trainer

@@ -40,6 +40,8 @@ CELLS: dict[str, tuple[Cell, list[int | None]]] = {
         Cell(stops=(("train", 6), ("train", 14)), checkpoint="every_last", max_steps=24, logger=False), [6, 14]),
     "every-n-save-last-link/max-steps/mid-epoch": (
         Cell(stops=(("train", 6), ("train", 14)), checkpoint="every_link", max_steps=24, logger=False), [6, 14]),
+    "every-n-save-last/max-steps/on-a-save-step": (
+        Cell(stops=(("train", 8), ("train", 16)), checkpoint="every_last", max_steps=24, logger=False), [8, 16]),
     "top-k-monitor/val-check-interval/mid-epoch": (
         Cell(stops=(("train", 7), ("train", 13)), checkpoint="top_k", max_steps=24, val_check_interval=5,
              logger=False), [7, 13]),
@@ -109,6 +111,13 @@ CELLS: dict[str, tuple[Cell, list[int | None]]] = {
         Cell(stops=(("val", 3),), max_steps=16, val_check_interval=5, val_loaders=2, logger=False), [6]),
     "accumulate-3/epoch-not-a-multiple/last-batch-of-epoch": (
         Cell(stops=(("train", 10), ("train", 14)), max_epochs=2, accumulate=3, logger=False, val=False), [5, 6]),
+    "plateau-scheduler-each-step/mid-epoch": (
+        Cell(stops=(("train", 5), ("train", 13)), max_steps=20, plateau=True, logger=False), [5, 13]),
+    "early-stopping/val-check-interval/mid-epoch": (
+        Cell(stops=(("train", 7), ("train", 17)), max_epochs=4, val_check_interval=5, early_stopping=True,
+             logger=False), [7, 17]),
+    "reload-dataloaders-each-epoch/last-batch-of-epoch": (
+        Cell(stops=(("train", 10), ("train", 15)), max_epochs=3, reload_dataloaders=1, logger=False), [11, 15]),
 }
 
 
