@@ -166,7 +166,8 @@ DDP_CELLS: dict[str, tuple[Cell, list[int | None]]] = {
         Cell(stops=(("train", 3), ("val", 1)), max_steps=10, accumulate=2, val_check_interval=4, logger=False),
         [4, 7]),
     # Each rank seeded on its own (its own dropout): each resumes its own generators
-    "ddp/rank-seeds/mid-epoch": (Cell(stops=(("train", 3),), max_steps=8, rank_seed=True, logger=False), [3]),
+    "ddp/rank-seeds/epoch-metrics/csv-logger/mid-epoch": (
+        Cell(stops=(("train", 3),), max_steps=8, rank_seed=True, epoch_metrics=True), [3]),
 }
 
 
