@@ -1,0 +1,96 @@
+"""A rank hung in a collective, on the real three-node cluster: found, its node excluded, resumed.
+
+A two-node job (one rank per node, gloo) runs ``tests/slurm/trainer.py`` under
+``srun slurm-ckpt run --hang-timeout 10``. At step 50 of the first run, rank 1
+(on node2) stops before the step's all_reduce and sleeps; rank 0 waits in that
+all_reduce. Both wrappers see no step progress for 10 s; node2's report says
+its rank is in its own code, node1's that its rank waits in a collective. Rank
+0 requeues the job with ``ExcNodeList=node2`` (and ``ReqNodeList=node1``: the
+job was submitted with ``-w node1,node2``). The checkpoint of step 40 is
+intact, and the requeued run, on node1 and node3, resumes from it and ends
+with the weights of an uninterrupted run.
+
+The seconds from the hang to slurmctld's requeue, against the configured
+timeout, go to the figures summary.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from slurm_ckpt.store import find_latest, verify_checkpoint
+from tests.slurm.harness import Cluster, Job
+from tests.slurm.wrapped import done_digests, requeue_log_times, runs, script
+
+pytestmark = [pytest.mark.slurm, pytest.mark.root]
+
+THIS = "tests/slurm/test_hang_e2e.py"
+TIMEOUT = 10
+ARGS = "--steps 120 --every 20 --step-time 0.05"
+HANG = "--hang-at 50 --hang-rank 1"
+TWO = ("-N2", "--ntasks-per-node=1")
+PRE = ('export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)\n'
+       "export MASTER_PORT=29541\n")  # fmt: skip
+
+
+def _lines(job: Job, what: str) -> list[dict[str, str]]:
+    return [dict(kv.split("=", 1) for kv in m.group(1).split() if "=" in kv)
+            for m in re.finditer(rf"^trainer: {what} (.*)$", job.output(), re.MULTILINE)]  # fmt: skip
+
+
+def test_a_rank_hung_in_a_collective_is_found_and_its_node_excluded(
+    slurm_cluster3: Cluster, slurm_workdir: Path, reference: Callable[[str, int], list[str]],
+    figures: Callable[[str, str], Path],
+) -> None:  # fmt: skip
+    body = script(slurm_workdir, f"{ARGS} {HANG}", wrapper_args=f"--hang-timeout {TIMEOUT}",
+                  srun_args=" ".join(TWO), pre=PRE)  # fmt: skip
+    job = slurm_cluster3.sbatch(body, *TWO, "--requeue", "-w", "node1,node2", workdir=slurm_workdir,
+                                name="hang")  # fmt: skip
+    job.wait_output(r"^trainer: hanging at step=50", timeout=120)
+    hung_at = float(_lines(job, "hanging at")[0]["t"])
+
+    rec = job.wait_for("requeued (Restarts=1) and PENDING",
+                       lambda r: r.get("Restarts") == "1" and r.get("JobState") == "PENDING",
+                       6 * TIMEOUT)  # fmt: skip
+    assert rec["ExcNodeList"] == "node2", rec
+    assert rec["ReqNodeList"] == "node1", rec  # sbatch -w node1,node2 without node2
+    requeued = requeue_log_times(slurm_cluster3, job)
+    assert len(requeued) == 1
+    detect = requeued[0] - hung_at
+    assert TIMEOUT <= detect <= 2 * TIMEOUT + 5, detect
+
+    # The previous checkpoint is intact: nothing was forced from the stuck ranks.
+    cand = find_latest([slurm_workdir / "run"], full=True)
+    assert cand is not None and cand.step == 40
+    verify_checkpoint(cand.path, full=True)
+
+    first = [r for r in runs(job.output()) if r.restarts == 0]
+    assert sorted(r.rank for r in first) == [0, 1]
+    by_rank = {r.rank: r for r in first}
+    hang1 = by_rank[1].find("hang")[0]
+    assert hang1["node"] == "node2" and hang1["ranks"].split(":")[1:3] == ["49", "compute"], hang1
+    hang0 = by_rank[0].find("hang")[0]
+    assert hang0["node"] == "node1" and hang0["ranks"].split(":")[1:3] == ["49", "collective"], hang0
+    decision = by_rank[0].find("hang-decision")
+    assert [(d["reason"], d["bad"], d["reported"]) for d in decision] == [("requeue", "node2", "2")]
+    assert by_rank[0].find("requeue", exclude="node2")
+    assert [e["reason"] for e in by_rank[1].find("no-requeue")] == ["not-rank-0"]
+    assert not by_rank[0].find("forward") and not by_rank[1].find("forward")  # no checkpoint asked
+
+    job.skip_requeue_wait(restarts=1)
+    job.wait_state("COMPLETED", timeout=180)
+    assert job.info()["NodeList"] == "node[1,3]"
+    starts = sorted((d["restart"], d["rank"], d["from"]) for d in _lines(job, "start"))
+    assert starts == [("0", "0", "0"), ("0", "1", "0"), ("1", "0", "40"), ("1", "1", "40")]
+    assert done_digests(slurm_workdir, 2) == reference(ARGS, 2)
+
+    figures("hang-e2e", "\n".join([
+        "hang watchdog: rank 1 of a 2-node gloo job never joins step 50's all_reduce",
+        f"  reproduce: .venv/bin/pytest {THIS}",
+        f"  hang_timeout {TIMEOUT} s: hang -> slurmctld requeue {detect:.1f} s "
+        f"(ExcNodeList=node2; resumed from step 40 on node1,node3; weights as an uninterrupted run)",
+    ]))  # fmt: skip
