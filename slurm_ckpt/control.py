@@ -184,8 +184,9 @@ class Control:
 
     def _heartbeat(self, main: int | None) -> None:
         pid, tick = os.getpid(), threading.Event()
-        while os.getpid() == pid:  # a forked child has no such thread, but be sure
-            self.send(progress_line(pid, self._step, where_is(main)))
+        # Datagrams only, never appended to a file; it stops once the wrapper's socket is gone.
+        while os.getpid() == pid and _is_socket(self.channel):
+            _send_datagram(self.channel, (progress_line(pid, self._step, where_is(main)) + "\n").encode())
             tick.wait(self._beat_every)
 
     def report_committed(self, step: int, path: str) -> None:
@@ -229,6 +230,13 @@ def where_is(thread_id: int | None, depth: int = 4) -> str:
             return "checkpoint"
         frame, n = frame.f_back, n + 1
     return "compute"
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _send_datagram(path: str, data: bytes) -> None:

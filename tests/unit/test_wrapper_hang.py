@@ -201,6 +201,8 @@ def test_heartbeat_only_when_the_wrapper_asks(monkeypatch: pytest.MonkeyPatch) -
             select.select([server], [], [], 5)
             got += server.receive()
         assert got[-1] == Message("progress", pid=os.getpid(), step=4, where="compute")
+    c._beat.join(5)  # the wrapper's socket is gone: the heartbeat stops, and writes no file
+    assert not c._beat.is_alive() and not Path(server.path).parent.exists()
 
 
 def test_hang_timeout_is_validated() -> None:
