@@ -8,7 +8,8 @@ its rank is in its own code, node1's that its rank waits in a collective. Rank
 0 requeues the job with ``ExcNodeList=node2`` (and ``ReqNodeList=node1``: the
 job was submitted with ``-w node1,node2``). The checkpoint of step 40 is
 intact, and the requeued run, on node1 and node3, resumes from it and ends
-with the weights of an uninterrupted run.
+with the weights of an uninterrupted run. The same with rank 0 hung: its own
+wrapper excludes its own node, and the job goes on on node2 and node3.
 
 The seconds from the hang to slurmctld's requeue, against the configured
 timeout, go to the figures summary.
@@ -31,7 +32,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.root]
 THIS = "tests/slurm/test_hang_e2e.py"
 TIMEOUT = 10
 ARGS = "--steps 120 --every 20 --step-time 0.05"
-HANG = "--hang-at 50 --hang-rank 1"
 TWO = ("-N2", "--ntasks-per-node=1")
 PRE = ('export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)\n'
        "export MASTER_PORT=29541\n")  # fmt: skip
@@ -42,11 +42,13 @@ def _lines(job: Job, what: str) -> list[dict[str, str]]:
             for m in re.finditer(rf"^trainer: {what} (.*)$", job.output(), re.MULTILINE)]  # fmt: skip
 
 
+@pytest.mark.parametrize(("hung", "bad", "good", "after"), [(1, "node2", "node1", "node[1,3]"),
+                                                          (0, "node1", "node2", "node[2-3]")])  # fmt: skip
 def test_a_rank_hung_in_a_collective_is_found_and_its_node_excluded(
     slurm_cluster3: Cluster, slurm_workdir: Path, reference: Callable[[str, int], list[str]],
-    figures: Callable[[str, str], Path],
+    figures: Callable[[str, str], Path], hung: int, bad: str, good: str, after: str,
 ) -> None:  # fmt: skip
-    body = script(slurm_workdir, f"{ARGS} {HANG}", wrapper_args=f"--hang-timeout {TIMEOUT}",
+    body = script(slurm_workdir, f"{ARGS} --hang-at 50 --hang-rank {hung}", wrapper_args=f"--hang-timeout {TIMEOUT}",
                   srun_args=" ".join(TWO), pre=PRE)  # fmt: skip
     job = slurm_cluster3.sbatch(body, *TWO, "--requeue", "-w", "node1,node2", workdir=slurm_workdir,
                                 name="hang")  # fmt: skip
@@ -56,8 +58,8 @@ def test_a_rank_hung_in_a_collective_is_found_and_its_node_excluded(
     rec = job.wait_for("requeued (Restarts=1) and PENDING",
                        lambda r: r.get("Restarts") == "1" and r.get("JobState") == "PENDING",
                        6 * TIMEOUT)  # fmt: skip
-    assert rec["ExcNodeList"] == "node2", rec
-    assert rec["ReqNodeList"] == "node1", rec  # sbatch -w node1,node2 without node2
+    assert rec["ExcNodeList"] == bad, rec
+    assert rec["ReqNodeList"] == good, rec  # sbatch -w node1,node2 without the bad node
     requeued = requeue_log_times(slurm_cluster3, job)
     assert len(requeued) == 1
     detect = requeued[0] - hung_at
@@ -71,26 +73,25 @@ def test_a_rank_hung_in_a_collective_is_found_and_its_node_excluded(
     first = [r for r in runs(job.output()) if r.restarts == 0]
     assert sorted(r.rank for r in first) == [0, 1]
     by_rank = {r.rank: r for r in first}
-    hang1 = by_rank[1].find("hang")[0]
-    assert hang1["node"] == "node2" and hang1["ranks"].split(":")[1:3] == ["49", "compute"], hang1
-    hang0 = by_rank[0].find("hang")[0]
-    assert hang0["node"] == "node1" and hang0["ranks"].split(":")[1:3] == ["49", "collective"], hang0
+    stuck, waiting = by_rank[hung].find("hang")[0], by_rank[1 - hung].find("hang")[0]
+    assert stuck["node"] == bad and stuck["ranks"].split(":")[1:3] == ["49", "compute"], stuck
+    assert waiting["node"] == good and waiting["ranks"].split(":")[1:3] == ["49", "collective"], waiting
     decision = by_rank[0].find("hang-decision")
-    assert [(d["reason"], d["bad"], d["reported"]) for d in decision] == [("requeue", "node2", "2")]
-    assert by_rank[0].find("requeue", exclude="node2")
+    assert [(d["reason"], d["bad"], d["reported"]) for d in decision] == [("requeue", bad, "2")]
+    assert by_rank[0].find("requeue", exclude=bad)
     assert [e["reason"] for e in by_rank[1].find("no-requeue")] == ["not-rank-0"]
     assert not by_rank[0].find("forward") and not by_rank[1].find("forward")  # no checkpoint asked
 
     job.skip_requeue_wait(restarts=1)
     job.wait_state("COMPLETED", timeout=180)
-    assert job.info()["NodeList"] == "node[1,3]"
+    assert job.info()["NodeList"] == after
     starts = sorted((d["restart"], d["rank"], d["from"]) for d in _lines(job, "start"))
     assert starts == [("0", "0", "0"), ("0", "1", "0"), ("1", "0", "40"), ("1", "1", "40")]
     assert done_digests(slurm_workdir, 2) == reference(ARGS, 2)
 
-    figures("hang-e2e", "\n".join([
-        "hang watchdog: rank 1 of a 2-node gloo job never joins step 50's all_reduce",
+    figures(f"hang-e2e-rank{hung}", "\n".join([
+        f"hang watchdog: rank {hung} of a 2-node gloo job never joins step 50's all_reduce",
         f"  reproduce: .venv/bin/pytest {THIS}",
         f"  hang_timeout {TIMEOUT} s: hang -> slurmctld requeue {detect:.1f} s "
-        f"(ExcNodeList=node2; resumed from step 40 on node1,node3; weights as an uninterrupted run)",
+        f"(ExcNodeList={bad}; resumed from step 40 on {after}; weights as an uninterrupted run)",
     ]))  # fmt: skip
