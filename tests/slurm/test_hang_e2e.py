@@ -11,6 +11,10 @@ intact, and the requeued run, on node1 and node3, resumes from it and ends
 with the weights of an uninterrupted run. The same with rank 0 hung: its own
 wrapper excludes its own node, and the job goes on on node2 and node3.
 
+Then an FSDP2 job on all three nodes, whose rank on node3 hangs: requeued
+without node3 onto the two nodes left (NumNodes, NumTasks), it resumes from the
+3-rank checkpoint at 2 ranks.
+
 The seconds from the hang to slurmctld's requeue, against the configured
 timeout, go to the figures summary.
 """
@@ -24,8 +28,9 @@ from pathlib import Path
 import pytest
 
 from slurm_ckpt.store import find_latest, verify_checkpoint
-from tests.slurm.harness import Cluster, Job
-from tests.slurm.wrapped import done_digests, requeue_log_times, runs, script
+from tests.slurm.harness import HERE, Cluster, Job
+from tests.slurm.test_fsdp_requeue_e2e import reference as fsdp_reference
+from tests.slurm.wrapped import PYTHON, SLURM_CKPT, done_digests, requeue_log_times, runs, script
 
 pytestmark = [pytest.mark.slurm, pytest.mark.root]
 
@@ -94,4 +99,54 @@ def test_a_rank_hung_in_a_collective_is_found_and_its_node_excluded(
         f"  reproduce: .venv/bin/pytest {THIS}",
         f"  hang_timeout {TIMEOUT} s: hang -> slurmctld requeue {detect:.1f} s "
         f"(ExcNodeList={bad}; resumed from step 40 on {after}; weights as an uninterrupted run)",
+    ]))  # fmt: skip
+
+
+FSDP = HERE / "fsdp_trainer.py"
+_FSDP_START = re.compile(r"^fsdp: start rank=(\d+) world=(\d+) from=(\d+) restart=(\d+) host=(\S+)$", re.MULTILINE)
+
+
+def test_fsdp2_on_every_node_hangs_and_resumes_on_the_nodes_left(
+    slurm_cluster3: Cluster, slurm_workdir: Path, figures: Callable[[str, str], Path],
+) -> None:  # fmt: skip
+    """A 3-node FSDP2 job on the 3-node cluster; rank 2 (node3) hangs: the job is requeued
+    without node3 on 2 nodes (NumNodes, NumTasks), and resumes from the 3-rank checkpoint
+    at 2 ranks, ending with the weights of an uninterrupted run (the trainer is world-size exact)."""
+    run_dir = slurm_workdir / "run"
+    args = "--steps 120 --every 20"
+    body = (f"export SLURM_CKPT_DIR={run_dir}\n{PRE}"
+            # One task per node of this run's allocation (the batch step's SLURM_NTASKS keeps the count
+            # the job was submitted with).
+            'srun -N "$SLURM_NNODES" -n "$SLURM_NNODES" '
+            f"{SLURM_CKPT} run --hang-timeout {TIMEOUT} -- {PYTHON} {FSDP} --out {slurm_workdir}/out {args} "
+            "--step-time 0.05 --hang-at 50 --hang-rank 2\n")  # fmt: skip
+    job = slurm_cluster3.sbatch(body, "-N3", "--ntasks-per-node=1", "--requeue", workdir=slurm_workdir,
+                                name="fsdp-hang")  # fmt: skip
+    job.wait_output(r"^fsdp: hanging at step=50", timeout=240)
+    hung_at = float(re.search(r"^fsdp: hanging at step=50 rank=2 t=([\d.]+)", job.output(), re.MULTILINE)[1])
+    rec = job.wait_for("requeued (Restarts=1) and PENDING",
+                       lambda r: r.get("Restarts") == "1" and r.get("JobState") == "PENDING",
+                       6 * TIMEOUT)  # fmt: skip
+    (requeued,) = requeue_log_times(slurm_cluster3, job)
+    detect = requeued - hung_at
+    assert rec["ExcNodeList"] == "node3" and rec["NumTasks"] == "2", rec
+    cand = find_latest([run_dir], full=True)
+    assert cand is not None and cand.step == 40 and cand.manifest.world_size == 3
+    decision = [d for r in runs(job.output()) for d in r.find("hang-decision")]
+    assert [(d["reason"], d["bad"], d["reported"]) for d in decision] == [("requeue", "node3", "3")]
+
+    job.skip_requeue_wait(restarts=1)
+    job.wait_state("COMPLETED", timeout=300)
+    assert job.info()["NodeList"] == "node[1-2]"
+    starts = sorted((int(restart), int(rank), int(world), int(frm))
+                    for rank, world, frm, restart, _ in _FSDP_START.findall(job.output()))  # fmt: skip
+    assert starts == [(0, 0, 3, 0), (0, 1, 3, 0), (0, 2, 3, 0), (1, 0, 2, 40), (1, 1, 2, 40)], starts
+    steps, world, digest = (slurm_workdir / "out" / "done.txt").read_text().split()
+    assert (int(steps), int(world)) == (120, 2)
+    assert digest == fsdp_reference(slurm_workdir, 2)
+    figures("hang-e2e-fsdp-shrink", "\n".join([
+        "hang watchdog: rank 2 of a 3-node FSDP2 job (the cluster's 3 nodes) never joins step 50's collectives",
+        f"  reproduce: .venv/bin/pytest {THIS}::test_fsdp2_on_every_node_hangs_and_resumes_on_the_nodes_left",
+        f"  hang_timeout {TIMEOUT} s: hang -> slurmctld requeue {detect:.1f} s (ExcNodeList=node3, NumNodes=2, "
+        "NumTasks=2); resumed from the 3-rank step 40 at 2 ranks; weights as an uninterrupted run",
     ]))  # fmt: skip
