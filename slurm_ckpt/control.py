@@ -213,18 +213,20 @@ class Control:
 
 _PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _DIST = f"{os.sep}torch{os.sep}distributed{os.sep}"
+_ELASTIC = f"{_DIST}elastic{os.sep}"  # torchrun's @record wraps a whole main(): not a collective
 
 
-def where_is(thread_id: int | None, depth: int = 4) -> str:
+def where_is(thread_id: int | None, depth: int = 16) -> str:
     """Where thread ``thread_id`` is now: ``collective`` if one of its innermost
     ``depth`` Python frames is in ``torch.distributed`` (it waits for the other
-    ranks), ``checkpoint`` if any frame is slurm-ckpt's own (a save or a load
-    is making progress), else ``compute``."""
+    ranks; a DTensor collective waits under a dozen frames of torch's dispatch),
+    ``checkpoint`` if any frame is slurm-ckpt's own (a save or a load is making
+    progress), else ``compute``."""
     frame = sys._current_frames().get(thread_id) if thread_id is not None else None
     n = 0
     while frame is not None:
         name = frame.f_code.co_filename
-        if n < depth and _DIST in name:
+        if n < depth and _DIST in name and _ELASTIC not in name:
             return "collective"
         if name.startswith(_PKG) and not name.endswith("control.py"):
             return "checkpoint"

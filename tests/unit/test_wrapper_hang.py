@@ -157,12 +157,15 @@ def test_progress_line_round_trip() -> None:
         "progress", pid=12, step=340, where="collective")  # fmt: skip
 
 
-def _parked(filename: str) -> tuple[threading.Thread, threading.Event]:
-    """A thread whose innermost Python frame is code from ``filename``, parked on an Event."""
+def _parked(*filenames: str) -> tuple[threading.Thread, threading.Event]:
+    """A thread parked on an Event under one frame of code from each of ``filenames``, the last innermost."""
     ns: dict[str, object] = {}
-    exec(compile("def park(ev):\n    ev.wait()\n", filename, "exec"), ns)
+    inner = "ev.wait()"
+    for i, filename in reversed(list(enumerate(filenames))):
+        exec(compile(f"def f{i}(ev):\n    {inner}\n", filename, "exec"), ns)
+        inner = f"f{i}(ev)"
     ev = threading.Event()
-    t = threading.Thread(target=ns["park"], args=(ev,), daemon=True)
+    t = threading.Thread(target=ns["f0"], args=(ev,), daemon=True)
     t.start()
     return t, ev
 
@@ -174,10 +177,16 @@ def test_where_is_tells_a_collective_from_own_code() -> None:
     cases = {"/x/site-packages/torch/distributed/distributed_c10d.py": "collective",
              os.path.join(pkg, "store", "commit.py"): "checkpoint",
              "/home/u/train.py": "compute"}  # fmt: skip
-    for filename, want in cases.items():
-        t, ev = _parked(filename)
+    # DTensor's full_tensor() waits in wait_tensor under torch's dispatch frames (measured, torch 2.13)
+    dispatch = ["/x/torch/_ops.py", "/x/torch/_library/autograd.py", "/x/torch/_library/autograd.py",
+                "/x/torch/_ops.py"]  # fmt: skip
+    stacks = [*(([f], want) for f, want in cases.items()),
+              (["/home/u/train.py", "/x/torch/distributed/_functional_collectives.py", *dispatch], "collective"),
+              (["/x/torch/distributed/elastic/multiprocessing/errors/__init__.py", "/home/u/train.py"], "compute")]  # fmt: skip
+    for files, want in stacks:
+        t, ev = _parked(*files)
         try:
-            assert where_is(t.ident) == want, filename
+            assert where_is(t.ident) == want, files
         finally:
             ev.set()
             t.join()
