@@ -182,12 +182,23 @@ class Checkpointer:
         Returns True when a checkpoint-and-stop was requested and this step is
         committed: the caller should exit (status 0). With several ranks every
         rank must call it at every step; they agree on the request first.
+        It also records the step for the wrapper's hang watchdog (:meth:`progress`).
         """
         self._check_open()
+        self.control.progress(step)  # before the collective below, which a hung rank never joins
         stop = self.placement.agree(self.preempted)
         if stop or (every > 0 and step % every == 0):
             self.save(state() if callable(state) else state, step)
         return stop
+
+    def progress(self, step: int) -> None:
+        """Record that this rank reached ``step``, for ``slurm-ckpt run --hang-timeout``.
+
+        :meth:`maybe_save` calls it; a trainer that calls only :meth:`save` calls
+        it once per step. It stores an int; the wrapper hears of it from a
+        heartbeat thread that runs only when the wrapper watches for hangs.
+        """
+        self.control.progress(step)
 
     def save(self, state: Any, step: int) -> Path:
         """Write ``state`` as checkpoint ``step``; return once it is durable and committed."""

@@ -175,12 +175,15 @@ def verify(path: str) -> None:
               help="Give up requeueing once SLURM_RESTART_COUNT reaches this.")  # fmt: skip
 @click.option("--margin", type=click.FloatRange(min=0), default=None,
               help="Seconds before the job's end time by which the checkpoint must be committed.")  # fmt: skip
+@click.option("--hang-timeout", type=click.FloatRange(min=0), default=None, metavar="S",
+              help="Requeue without the node that holds the job up after S seconds with no step "
+                   "progress (default: wrapper.hang_timeout; 0: off).")  # fmt: skip
 @_dir_option
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 @_errors_to_exit
 def run(
     local: bool, preempt_after: tuple[float, ...], sig: str | None, max_requeues: int | None,
-    margin: float | None, dir: str | None, cmd: tuple[str, ...],
+    margin: float | None, hang_timeout: float | None, dir: str | None, cmd: tuple[str, ...],
 ) -> None:  # fmt: skip
     """Run CMD so that a Slurm signal becomes a checkpoint and a requeue.
 
@@ -195,7 +198,8 @@ def run(
         from .wrapper import run_wrapper
 
         cfg = load_config()
-        flags: dict[str, Any] = {"signal": sig, "max_requeues": max_requeues, "margin": margin}
+        flags: dict[str, Any] = {"signal": sig, "max_requeues": max_requeues, "margin": margin,
+                                 "hang_timeout": hang_timeout}  # fmt: skip
         wcfg = dataclasses.replace(cfg.wrapper, **{k: v for k, v in flags.items() if v is not None})
         wcfg.validate()
         cfg = dataclasses.replace(cfg, wrapper=wcfg)

@@ -233,8 +233,14 @@ class WrapperConfig:
     """slurm.conf KillWait: seconds from SIGTERM to SIGKILL, which bound the checkpoint after a SIGTERM."""
     wait: float = 300.0
     """Seconds to wait for the checkpoint when Slurm gives no end time (--local, no time limit)."""
+    hang_timeout: float = 0.0
+    """Seconds without step progress on any rank of a node after which the job counts as hung:
+    its ranks are ended and global rank 0 requeues it without the node that held it up
+    (ExcNodeList). 0: off. Keep it well above the longest step and above the first step's time."""
 
     def validate(self) -> None:
+        if self.hang_timeout != 0 and not self.hang_timeout >= 2:
+            raise ConfigError("wrapper.hang_timeout must be 0 (off) or at least 2 seconds")
         if self.max_requeues < 0:
             raise ConfigError("wrapper.max_requeues must be >= 0")
         if not 0 <= self.requeue_exit <= 255:
