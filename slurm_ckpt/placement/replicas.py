@@ -200,6 +200,10 @@ class Replicator:
             self._cv.notify_all()
         if done:
             self._thread.join(5)
+            if not self._thread.is_alive():
+                # Held past destroy_process_group(), the group would be torn down at interpreter
+                # exit instead, where gloo can abort the process (see RankGroup.release).
+                self.pg = None
         return done
 
     # -- the thread --------------------------------------------------------------
