@@ -11,13 +11,12 @@ training. Each repetition times, interleaved and in a shuffled order (seeded):
 * ``plain``: ``STEPS`` steps;
 * for each replica count (0, then 1 up to ``ranks - 1``): ``save`` at a step
   boundary (every rank its shard on its scratch, the ``CrossNode``
-  placement), then the same ``STEPS`` steps, while the replicas are sent
-  in the background.
+  placement), then steps while the replicas are sent in the background: at
+  least ``STEPS``, and on until every rank's replicas are committed.
 
-A save's stall is that time less ``plain``'s: what the loop waits for, the
-save itself and what the background copy takes from the steps (the same cores,
-the loopback, the disk). The replication is then waited for, outside the
-timing. The in-job drain to the durable tier is off in every line, so only
+A save's stall is that time less as many plain steps': what the loop waits
+for, the save itself and what the background copy takes from the steps (the
+same cores, the loopback, the disk). The in-job drain to the durable tier is off in every line, so only
 replication differs between them. Reported: medians over the repetitions of
 the slowest rank, the stall and what it adds to ``replicas=0``'s, and the bytes each
 save sent to peers (all ranks), with the time the replication took.
@@ -62,7 +61,7 @@ def run_replicas_bench(size: int, root: Path, *, ranks: int = 3, reps: int = 5) 
 def format_replicas(doc: dict[str, Any]) -> str:
     info = doc["info"]
     out = [f"replicas: {info['ranks']} ranks as {info['ranks']} nodes (gloo over loopback), {info['nbytes'] / 2**20:.0f} MiB "
-           f"per rank's shard; {info['steps']} steps after each save; {info['reps']} repetitions interleaved, medians of "
+           f"per rank's shard; {info['steps']} steps or more after each save, until its replicas are committed; {info['reps']} repetitions interleaved, medians of "
            f"the slowest rank; dir {info['dir']}; {info['cores']} cores; in-job drain off",
            f"  {'plain steps':<14} {statistics.median(doc['plain']):8.3f} s"]  # fmt: skip
     base = None
@@ -72,8 +71,9 @@ def format_replicas(doc: dict[str, Any]) -> str:
         base = stall if base is None else base
         sent = statistics.median(line["sent"])
         took = statistics.median(line["replicate"])
-        out.append(f"  replicas={n:<5} save {save:7.3f} s  stall {stall:7.3f} s ({stall - base:+7.3f} s on replicas=0's)  "
-                   f"sent {sent / 2**20:8.1f} MiB per save (all ranks)  replication {took:6.3f} s")  # fmt: skip
+        count = statistics.median(line["steps"])
+        out.append(f"  replicas={n:<2} save {save:6.3f} s  stall {stall:6.3f} s ({stall - base:+7.3f} s on replicas=0's)  "
+                   f"sent {sent / 2**20:8.1f} MiB per save (all ranks)  replication {took:6.3f} s over {count:.0f} steps")  # fmt: skip
     out.append(f"  every replica committed on its peer (checksums matched): {'yes' if doc['ok'] else 'NO'}")
     return "\n".join(out)
 
@@ -104,11 +104,17 @@ def _rank(rank: int, world: int, port: int, base: str, size: int, reps: int, out
     a = torch.randn(WIDTH, WIDTH, generator=g)
     grad = torch.zeros(1 << 16)
 
-    def steps() -> None:
-        x = a
-        for _ in range(STEPS):
+    def steps(done: Any = lambda: True) -> int:
+        """At least STEPS steps, then on until ``done()`` on every rank; returns how many."""
+        x, n = a, 0
+        while True:
             x = torch.tanh(x @ a) * 0.5
             dist.all_reduce(grad)
+            n += 1
+            flag = torch.tensor([0 if n >= STEPS and done() else 1])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if not int(flag.item()):
+                return n
 
     counts = list(range(world))  # replicas 0 .. world-1
     ckpts = {}
@@ -118,7 +124,7 @@ def _rank(rank: int, world: int, port: int, base: str, size: int, reps: int, out
         scratch.mkdir(parents=True, exist_ok=True)
         ckpts[n] = Checkpointer(Path(base) / f"run-{n}", scratch=scratch, config=cfg, keep=2)
     plain: list[float] = []
-    lines: dict[int, dict[str, list[float]]] = {n: {"stall": [], "save": [], "sent": [], "replicate": []} for n in counts}
+    lines: dict[int, dict[str, list[float]]] = {n: {"stall": [], "save": [], "sent": [], "replicate": [], "steps": []} for n in counts}
     order: list[int | None] = [None, *counts]
     rnd = random.Random(1)
     steps()  # warm up
@@ -135,17 +141,20 @@ def _rank(rank: int, world: int, port: int, base: str, size: int, reps: int, out
                 secs0 = rep_.stats.seconds if rep_ is not None else 0.0
                 ck.save(state, step=rep + 1)
                 t_save = time.perf_counter() - t0
-            steps()
-            took = time.perf_counter() - t0
             if which is None:
-                plain.append(_slowest(took))
+                steps()
+                plain.append(_slowest(time.perf_counter() - t0))
                 continue
             n = which
+            # The steps go on until every rank's replicas are committed: the whole copy overlaps them.
+            count = steps(lambda ck=ck: ck.placement.replicated(0))
+            took = time.perf_counter() - t0
             ok = ck.placement.replicated(600) and ok  # type: ignore[attr-defined]
             sent = (rep_.stats.bytes_sent - sent0) if rep_ is not None else 0
             secs = (rep_.stats.seconds - secs0) if rep_ is not None else 0.0
             lines[n]["save"].append(_slowest(t_save))
             lines[n]["stall"].append(_slowest(took))
+            lines[n]["steps"].append(float(count))
             lines[n]["sent"].append(_total(sent))
             lines[n]["replicate"].append(_slowest(secs))
     for ck in ckpts.values():
@@ -153,9 +162,9 @@ def _rank(rank: int, world: int, port: int, base: str, size: int, reps: int, out
     oks: list[Any] = [None] * world
     dist.all_gather_object(oks, ok)
     if rank == 0:
-        p = statistics.median(plain)
+        per_step = statistics.median(plain) / STEPS
         for line in lines.values():
-            line["stall"] = [max(0.0, t - p) for t in line["stall"]]
+            line["stall"] = [t - k * per_step for t, k in zip(line["stall"], line["steps"], strict=True)]
         doc = {"info": {"ranks": world, "nbytes": nbytes, "steps": STEPS, "reps": reps},
                "plain": plain, "lines": {str(n): v for n, v in lines.items()}, "ok": all(oks)}  # fmt: skip
         Path(out).write_text(json.dumps(doc))
