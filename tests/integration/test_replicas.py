@@ -142,3 +142,48 @@ def test_without_replicas_the_lost_node_takes_the_step_with_it(tmp_path: Path, r
     assert all(r["stats"] is None for r in saved)
     assert [r["step"] for r in resumed] == [None, None], resumed
     assert args["ls_saved"] == "" and not (Path(args["run"]) / ".replicas.json").exists()
+
+
+def _w_damaged(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from slurm_ckpt.placement.replicas import Replicator
+    from slurm_ckpt.store import RunDir
+    from slurm_ckpt.store import shards as shd
+    from slurm_ckpt.store.codec import encode_state
+    from slurm_ckpt.store.manifest import Manifest
+    from slurm_ckpt.store.writer import write_state
+
+    fast = Path(args["scratch"]) / f"node{rank}" / "ckpt"
+    enc = encode_state({"blob": bytes(range(256)) * 4096, "rank": rank})
+    rd = RunDir(fast / shd.shard_name(rank))
+    path = rd.commit(3, lambda tmp: write_state(tmp, enc), world_size=world, nbytes=enc.nbytes,
+                     extra=shd.shard_extra(rank, world, "cd" * 8))  # fmt: skip
+    rd.unlock()
+    man = Manifest.read(path)
+    if rank == 0:  # rank 0's shard rots on its disk after its commit
+        data = path / max(man.files, key=lambda n: man.files[n].size)
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 1
+        data.write_bytes(bytes(raw))
+    rep = Replicator(dist, dist.new_group(backend="gloo"), rank, world, [(True, "node0"), (True, "node1")], 1,
+                     fast, Path(args["run"]), 3)  # fmt: skip
+    rep.submit(3, "cd" * 8, shd.LocalShard(3, "cd" * 8, rank, world, path, man))
+    done = rep.wait(60)
+    rep.close(10)
+    held = sorted(str(p.relative_to(fast)) for p in fast.glob("replicas/*/step-*"))
+    return {"done": done, "held": held, "nodes": rep.stats.nodes, "sent": rep.stats.bytes_sent}
+
+
+def test_a_shard_damaged_on_its_disk_is_sent_but_never_committed_as_a_replica(
+    tmp_path: Path, rank_pool: RankPool
+) -> None:
+    args = {"run": str(tmp_path / "run"), "scratch": str(tmp_path / "scratch")}
+    (tmp_path / "run").mkdir()
+    got = rank_pool.launch(2, f"{HERE}:_w_damaged", args, tmp_path / "out")
+    assert [g["done"] for g in got] == [True, True]
+    assert all(g["sent"] > 0 for g in got)
+    # node1 got rank 0's bytes, which do not match rank 0's manifest: no replica there; node0 holds rank 1's.
+    assert got[1]["held"] == [] and got[0]["held"] == ["replicas/rank-00001/step-000000003"], got
+    assert got[0]["nodes"] == {"3": 1}  # rank 0's shard lives on one node only
+    assert not list((tmp_path / "scratch" / "node1" / "ckpt" / "replicas").glob("*/.tmp-*"))
