@@ -78,7 +78,8 @@ class Checkpointer:
         # ``distributed=False`` keeps every process on its own.
         self.placement = choose(self.run_dir, storage=self.config.storage, keep=self.keep,
                                 distributed=distributed, scratch=scratch, lock_timeout=lock_timeout,
-                                on_lag=self.metrics.set_stageout_lag)  # fmt: skip
+                                on_lag=self.metrics.set_stageout_lag, replicas=self.config.scratch.replicas,
+                                on_replicas=self.metrics.set_replicas)  # fmt: skip
         self._closed = False
 
     def _check_open(self) -> None:

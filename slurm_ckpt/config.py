@@ -202,6 +202,12 @@ class ScratchConfig:
     keep_per_user: Size = Size(0)
     """Most bytes of kept scratch one user may hold on this node; a newer keep drops the
     user's oldest, and one larger than this is not kept. 0: a quarter of the filesystem."""
+    replicas: int = 0
+    """Peer replicas of each node's scratch shards (several ranks on several nodes): each shard is
+    copied, after its commit, to the scratch of the next ``replicas`` nodes in a ring, so a step
+    outlives the loss of that many nodes before it reaches the durable tier. 0: off. The prolog
+    reserves (1 + replicas) times the job's size; a job picks its own count with
+    ``--comment ckpt_replicas=N``, which the TaskProlog exports to its tasks."""
     reap_budget: float = 60.0
     """Seconds a background reaper, started by a hook, spends removing what hooks could not
     remove within their own deadline (the graveyard) and kept scratch past keep_failed."""
@@ -217,6 +223,8 @@ class ScratchConfig:
             raise ConfigError("scratch.prolog_timeout, epilog_timeout and check_timeout must be > 0")
         if self.keep_failed <= 0 or self.reap_budget <= 0 or self.max_inodes < 0 or self.keep_per_user < 0:
             raise ConfigError("scratch.keep_failed and reap_budget must be > 0, max_inodes and keep_per_user >= 0")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
+            raise ConfigError("scratch.replicas must be an integer >= 0 (0: no peer replicas)")
 
 
 @dataclass(frozen=True)

@@ -179,3 +179,13 @@ def test_template_loads_and_documents_every_key_at_its_default() -> None:
         leaf = key.rsplit(".", 1)[-1]
         line = next(i for i, s in enumerate(text.splitlines()) if s.strip().startswith(f"{leaf}:"))
         assert text.splitlines()[line - 1].strip().startswith("#"), f"{key} has no comment above it"
+
+
+def test_scratch_replicas_is_an_integer_from_zero_off_by_default(tmp_path: Path) -> None:
+    assert Config().scratch.replicas == 0
+    path = write(tmp_path, "scratch:\n  replicas: 2\n")
+    assert load_config(path, env={}).scratch.replicas == 2
+    assert load_config(path, env={"SLURM_CKPT_SCRATCH_REPLICAS": "1"}).scratch.replicas == 1
+    for bad in ("-1", "two", "1.5"):
+        with pytest.raises(ConfigError, match=r"scratch\.replicas|SCRATCH_REPLICAS must be of type int"):
+            load_config(path, env={"SLURM_CKPT_SCRATCH_REPLICAS": bad})
