@@ -61,14 +61,13 @@ class ImageJob(SaveJob):
     ``image`` is the image, or a function that makes it (the ``overlap``
     snapshot's copy), which runs at once on a thread of its own; ``write``
     waits for it. The trainer must not change what that thread copies until
-    ``captured`` is set: with ``guarded`` every ``optimizer.step()`` waits for
-    it by itself (``guard.py``). Copying before the commit starts,
-    rather than in ``write``, keeps a fence from waiting on a filesystem that
-    stalls.
+    ``captured`` is set, and every ``optimizer.step()`` waits for it by itself
+    (``guard.py``). Copying before the commit starts, rather than in
+    ``write``, keeps a fence from waiting on a filesystem that stalls.
     """
 
     def __init__(self, enc: EncodedState, image: FileImage | Callable[[], FileImage], write: WriteImage,
-                 mode: str, *, guarded: bool = False) -> None:  # fmt: skip
+                 mode: str) -> None:  # fmt: skip
         super().__init__(enc)
         self.mode = mode
         self._write_image = write
@@ -80,9 +79,7 @@ class ImageJob(SaveJob):
             return
         self.image = None
         self._capture: Callable[[], FileImage] | None = image
-        self._guarded = guarded
-        if guarded:
-            hold(self.captured)
+        hold(self.captured)
         self._thread = threading.Thread(target=self._copy, name="slurm-ckpt-copy", daemon=True)
         self._thread.start()
 
@@ -95,8 +92,7 @@ class ImageJob(SaveJob):
         finally:
             self._capture = None  # it holds the trainer's tensors
             self.captured.set()  # on failure too: a fence must never hang
-            if self._guarded:
-                release(self.captured)
+            release(self.captured)
 
     def _write_tensors(self, path: Path) -> FileRecord:
         self.captured.wait()

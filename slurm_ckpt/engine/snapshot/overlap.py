@@ -59,4 +59,4 @@ def overlap_job(enc: EncodedState, staging: Staging, write: WriteImage, caught: 
             )
         return image
 
-    return ImageJob(enc, stage, write, "overlap", guarded=True)
+    return ImageJob(enc, stage, write, "overlap")
