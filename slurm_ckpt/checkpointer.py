@@ -235,8 +235,8 @@ class Checkpointer:
         ``.data`` or NumPy views, ``optimizer.step()``, other threads): ``auto``
         copies the tensors into a staging buffer kept between saves before
         returning or, when that copy would not fit in memory, forks a child
-        that writes from a copy-on-write image. The opt-in ``engine.snapshot``
-        modes ``overlap`` and ``lazy`` return before copying and need the
+        that writes from a copy-on-write image. The opt-in ``engine.snapshot:
+        overlap`` returns before copying the large tensors and needs the
         trainer's help (``docs/async.md``). A call while a save is in flight
         first waits for that one to commit: one in flight per run dir, and no
         request is dropped.
@@ -301,9 +301,9 @@ class Checkpointer:
 
     def fence(self) -> None:
         """Block until the save in flight has copied the tensors, so the trainer may
-        change them. Only the opt-in modes need it: ``engine.snapshot: lazy`` before
-        ``optimizer.step()``; ``overlap`` before changing large tensors other than
-        through ``optimizer.step()``. By default it returns at once."""
+        change them. Only ``engine.snapshot: overlap`` needs it, before changing large
+        tensors other than through ``optimizer.step()`` (which waits by itself).
+        By default it returns at once."""
         h = self._inflight
         if h is not None:
             h.fence()

@@ -260,7 +260,7 @@ class WrapperConfig:
         parse_signal(self.signal)
 
 
-SNAPSHOTS = ("auto", "overlap", "copy", "fork", "lazy")
+SNAPSHOTS = ("auto", "overlap", "copy", "fork")
 """The ``engine.snapshot`` modes (see ``slurm_ckpt.engine``)."""
 
 
@@ -274,13 +274,16 @@ class EngineConfig:
     direct_io: bool = True
     """Use O_DIRECT where the filesystem supports it and runs it fast (buffered on ceph-fuse, and where it is refused)."""
     snapshot: str = "auto"
-    """auto|overlap|copy|fork|lazy: how save_async captures the state (see the engine docs)."""
+    """auto|overlap|copy|fork: how save_async captures the state (see the engine docs)."""
     pin_memory: bool = True
     """Stage CUDA tensors in pinned host memory (kept and reused between saves)."""
     torch_huge_pages: bool = True
     """slurm-ckpt run sets THP_MEM_ALLOC_ENABLE=1 for the command (unless set): torch then puts large CPU tensors on huge pages, which O_DIRECT writes and fork snapshots go faster from."""
 
     def validate(self) -> None:
+        if self.snapshot == "lazy":
+            raise ConfigError("engine.snapshot: lazy was removed; use overlap, which also returns before copying "
+                              "the tensors and needs no fence before optimizer.step()")
         if self.snapshot not in SNAPSHOTS:
             raise ConfigError(f"engine.snapshot must be one of {', '.join(SNAPSHOTS)}")
         if self.chunk_size <= 0 or self.chunk_size % 4096:

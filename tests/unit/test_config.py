@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,15 @@ def test_values_are_validated_naming_the_file(tmp_path: Path) -> None:
         load_config(
             path, env={"SLURM_CKPT_STORAGE_KEEP": "2", "SLURM_CKPT_STORAGE_ON_ASYNC_ERROR": "x"}
         )
+
+
+def test_the_removed_lazy_snapshot_is_refused_naming_its_replacement(tmp_path: Path) -> None:
+    path = write(tmp_path, "engine:\n  snapshot: lazy\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert str(path) in str(info.value) and "engine.snapshot" in str(info.value) and "overlap" in str(info.value)
+    with pytest.raises(ConfigError, match="overlap"):
+        load_config(env={"SLURM_CKPT_CONFIG": os.devnull, "SLURM_CKPT_ENGINE_SNAPSHOT": "lazy"})
 
 
 def test_precedence_defaults_file_env(tmp_path: Path) -> None:
