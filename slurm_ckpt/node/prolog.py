@@ -104,7 +104,7 @@ def _prepare(ctx: HookContext, base_fd: int, state_fd: int) -> JobReport:
 
     grant = ledger.reserve(job.job_id, want, uid=job.uid, policy=sc.over_reserve, min_size=sc.min_size,
                            restarts=job.restart_count, alive=alive, set_aside=set_aside, drop=drop,
-                           leaked=loopfs.leaked(base_fd, lambda: _image_inodes(state_fd)),
+                           leaked=loopfs.leaked(state_fd, lambda: _image_inodes(state_fd)),
                            replicas=replicas)  # fmt: skip
     report.asked, report.size, report.replicas = asked, grant.size, replicas
     if grant.warning:
