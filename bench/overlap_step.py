@@ -13,10 +13,10 @@ write takes from them (the same cores and memory).
 
 ``auto`` is the default (it chooses ``copy`` here: the staging buffer fits).
 The opt-in ``overlap`` returns at once and copies behind forward and backward;
-``optimizer.step()`` waits for whatever is left. ``lazy`` is the same with the
-fence called by hand, and no guard. This loop keeps to what both require (it
-changes the state only in ``optimizer.step()``), so their checkpoints are
-exact here; ``docs/async.md`` says what they let through otherwise.
+``optimizer.step()`` waits for whatever is left. This loop keeps to what it
+requires (it changes the state only in ``optimizer.step()``), so its
+checkpoints are exact here; ``docs/async.md`` says what it lets through
+otherwise.
 """
 
 from __future__ import annotations
@@ -48,10 +48,9 @@ class Trainer:
         self.n = 0
         self.step()  # Adam creates its moments at the first step
 
-    def step(self, fence: Callable[[], None] = lambda: None) -> None:
+    def step(self) -> None:
         self.opt.zero_grad(set_to_none=False)
         self.model(self.x).square().mean().backward()
-        fence()
         self.opt.step()
         self.n += 1
 
@@ -70,7 +69,7 @@ def _save(c: Checkpointer, sync: bool, tr: Trainer) -> Any:
 def main() -> None:
     args, root, tr = script_state("overlap-step", reps=15, make=Trainer)
     cfg = load_config()
-    modes = ("sync", "auto", "copy", "fork", "overlap", "lazy")
+    modes = ("sync", "auto", "copy", "fork", "overlap")
     ck = {mode: Checkpointer(root / mode, keep=1000, distributed=False,
                              config=dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, snapshot=mode)))
           for mode in modes if mode != "sync"}  # fmt: skip
@@ -83,8 +82,7 @@ def main() -> None:
         tr.step()
         t0 = time.perf_counter()
         handle = save()
-        tr.step(handle.fence if name == "lazy" else lambda: None)
-        for _ in range(STEPS - 1):
+        for _ in range(STEPS):
             tr.step()
         times.setdefault(name, []).append(time.perf_counter() - t0)
         if handle is not None:

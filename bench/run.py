@@ -311,7 +311,7 @@ def _memcpy_run(fn: Callable[[], None], result: Result, name: str, tick: Tick, r
 def _penalties(asyncs: dict[str, Checkpointer], state: Any, reps: int, res: Callable[..., Result], tick: Tick) -> None:
     """Extra time of an in-place update of the whole state right after save_async
     returns, compared with the same update with nothing in flight: what copy-on-write
-    (fork) costs the trainer later, and what a lazy fence costs.
+    (fork) costs the trainer later, and what waiting for a background copy costs.
 
     fork's runs update a copy of the state made here, after the stall was measured:
     writing a page its child still shares splits the huge page that holds it,

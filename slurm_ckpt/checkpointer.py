@@ -78,8 +78,8 @@ class Checkpointer:
         # ``distributed=False`` keeps every process on its own.
         self.placement = choose(self.run_dir, storage=self.config.storage, keep=self.keep,
                                 distributed=distributed, scratch=scratch, lock_timeout=lock_timeout,
-                                on_lag=self.metrics.set_stageout_lag,
-                                on_stall=self.metrics.set_durable_stalled)  # fmt: skip
+                                on_lag=self.metrics.set_stageout_lag, on_stall=self.metrics.set_durable_stalled,
+                                replicas=self.config.scratch.replicas, on_replicas=self.metrics.set_replicas)  # fmt: skip
         self._closed = False
 
     def _check_open(self) -> None:
@@ -183,12 +183,23 @@ class Checkpointer:
         Returns True when a checkpoint-and-stop was requested and this step is
         committed: the caller should exit (status 0). With several ranks every
         rank must call it at every step; they agree on the request first.
+        It also records the step for the wrapper's hang watchdog (:meth:`progress`).
         """
         self._check_open()
+        self.control.progress(step)  # before the collective below, which a hung rank never joins
         stop = self.placement.agree(self.preempted)
         if stop or (every > 0 and step % every == 0):
             self.save(state() if callable(state) else state, step)
         return stop
+
+    def progress(self, step: int) -> None:
+        """Record that this rank reached ``step``, for ``slurm-ckpt run --hang-timeout``.
+
+        :meth:`maybe_save` calls it; a trainer that calls only :meth:`save` calls
+        it once per step. It stores an int; the wrapper hears of it from a
+        heartbeat thread that runs only when the wrapper watches for hangs.
+        """
+        self.control.progress(step)
 
     def save(self, state: Any, step: int) -> Path:
         """Write ``state`` as checkpoint ``step``; return once it is durable and committed."""
@@ -224,8 +235,8 @@ class Checkpointer:
         ``.data`` or NumPy views, ``optimizer.step()``, other threads): ``auto``
         copies the tensors into a staging buffer kept between saves before
         returning or, when that copy would not fit in memory, forks a child
-        that writes from a copy-on-write image. The opt-in ``engine.snapshot``
-        modes ``overlap`` and ``lazy`` return before copying and need the
+        that writes from a copy-on-write image. The opt-in ``engine.snapshot:
+        overlap`` returns before copying the large tensors and needs the
         trainer's help (``docs/async.md``). A call while a save is in flight
         first waits for that one to commit: one in flight per run dir, and no
         request is dropped.
@@ -290,9 +301,9 @@ class Checkpointer:
 
     def fence(self) -> None:
         """Block until the save in flight has copied the tensors, so the trainer may
-        change them. Only the opt-in modes need it: ``engine.snapshot: lazy`` before
-        ``optimizer.step()``; ``overlap`` before changing large tensors other than
-        through ``optimizer.step()``. By default it returns at once."""
+        change them. Only ``engine.snapshot: overlap`` needs it, before changing large
+        tensors other than through ``optimizer.step()`` (which waits by itself).
+        By default it returns at once."""
         h = self._inflight
         if h is not None:
             h.fence()

@@ -137,22 +137,42 @@ def ls_(dir: str | None, full: bool) -> None:
 
 
 def _ls_dir(run_dir: Path, full: bool) -> None:
+    from .placement.replicas import read_index
     from .store import verify_checkpoint
     from .store.layout import list_steps
 
     rows = list_steps(run_dir)
-    if not rows:
+    # Steps saved on the nodes' scratch with peer replicas: on how many nodes each lives.
+    replicas = read_index(run_dir)
+    committed = {step for step, _ in rows}
+    scratch_only = sorted((int(k) for k in replicas if k.isdigit() and int(k) not in committed), reverse=True)
+    if not rows and not scratch_only:
         click.echo(f"no checkpoints in {run_dir}")
         return
     click.echo(f"{'STEP':>10}  {'TIME (UTC)':<20}  {'SIZE':>9}  STATUS")
-    for step, path in rows:
+    entries = sorted([*((step, path) for step, path in rows), *((step, None) for step in scratch_only)],
+                     key=lambda e: e[0], reverse=True)  # fmt: skip
+    for step, path in entries:
+        info = replicas.get(str(step))
+        if path is None:
+            assert info is not None
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(info.get("time", 0))))
+            click.echo(f"{step:>10}  {when:<20}  {'-':>9}  on scratch only, on {_nodes(info)}")
+            continue
         try:
             m = verify_checkpoint(path, full=full)
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.time))
             size, status = format_size(sum(r.size for r in m.files.values())), "ok" if full else "ok (sizes)"
         except CheckpointCorrupt as e:
             when, size, status = "-", "-", f"CORRUPT: {e}"
+        if info is not None and status.startswith("ok"):
+            status += f"; also on {_nodes(info)}' scratch"
         click.echo(f"{step:>10}  {when:<20}  {size:>9}  {status}")
+
+
+def _nodes(info: dict[str, Any]) -> str:
+    n = info.get("nodes")
+    return f"{n} node" + ("" if n == 1 else "s")
 
 
 @main.command()
@@ -175,12 +195,15 @@ def verify(path: str) -> None:
               help="Give up requeueing once SLURM_RESTART_COUNT reaches this.")  # fmt: skip
 @click.option("--margin", type=click.FloatRange(min=0), default=None,
               help="Seconds before the job's end time by which the checkpoint must be committed.")  # fmt: skip
+@click.option("--hang-timeout", type=click.FloatRange(min=0), default=None, metavar="S",
+              help="Requeue without the node that holds the job up after S seconds with no step "
+                   "progress (default: wrapper.hang_timeout; 0: off).")  # fmt: skip
 @_dir_option
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 @_errors_to_exit
 def run(
     local: bool, preempt_after: tuple[float, ...], sig: str | None, max_requeues: int | None,
-    margin: float | None, dir: str | None, cmd: tuple[str, ...],
+    margin: float | None, hang_timeout: float | None, dir: str | None, cmd: tuple[str, ...],
 ) -> None:  # fmt: skip
     """Run CMD so that a Slurm signal becomes a checkpoint and a requeue.
 
@@ -195,7 +218,8 @@ def run(
         from .wrapper import run_wrapper
 
         cfg = load_config()
-        flags: dict[str, Any] = {"signal": sig, "max_requeues": max_requeues, "margin": margin}
+        flags: dict[str, Any] = {"signal": sig, "max_requeues": max_requeues, "margin": margin,
+                                 "hang_timeout": hang_timeout}  # fmt: skip
         wcfg = dataclasses.replace(cfg.wrapper, **{k: v for k, v in flags.items() if v is not None})
         wcfg.validate()
         cfg = dataclasses.replace(cfg, wrapper=wcfg)

@@ -208,6 +208,12 @@ class ScratchConfig:
     keep_per_user: Size = Size(0)
     """Most bytes of kept scratch one user may hold on this node; a newer keep drops the
     user's oldest, and one larger than this is not kept. 0: a quarter of the filesystem."""
+    replicas: int = 0
+    """Peer replicas of each node's scratch shards (several ranks on several nodes): each shard is
+    copied, after its commit, to the scratch of the next ``replicas`` nodes in a ring, so a step
+    outlives the loss of that many nodes before it reaches the durable tier. 0: off. The prolog
+    reserves (1 + replicas) times the job's size; a job picks its own count with
+    ``--comment ckpt_replicas=N``, which the TaskProlog exports to its tasks."""
     reap_budget: float = 60.0
     """Seconds a background reaper, started by a hook, spends removing what hooks could not
     remove within their own deadline (the graveyard) and kept scratch past keep_failed."""
@@ -223,6 +229,8 @@ class ScratchConfig:
             raise ConfigError("scratch.prolog_timeout, epilog_timeout and check_timeout must be > 0")
         if self.keep_failed <= 0 or self.reap_budget <= 0 or self.max_inodes < 0 or self.keep_per_user < 0:
             raise ConfigError("scratch.keep_failed and reap_budget must be > 0, max_inodes and keep_per_user >= 0")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
+            raise ConfigError("scratch.replicas must be an integer >= 0 (0: no peer replicas)")
 
 
 @dataclass(frozen=True)
@@ -239,8 +247,14 @@ class WrapperConfig:
     """slurm.conf KillWait: seconds from SIGTERM to SIGKILL, which bound the checkpoint after a SIGTERM."""
     wait: float = 300.0
     """Seconds to wait for the checkpoint when Slurm gives no end time (--local, no time limit)."""
+    hang_timeout: float = 0.0
+    """Seconds without step progress on any rank of a node after which the job counts as hung:
+    its ranks are ended and global rank 0 requeues it without the node that held it up
+    (ExcNodeList). 0: off. Keep it well above the longest step and above the first step's time."""
 
     def validate(self) -> None:
+        if self.hang_timeout != 0 and not self.hang_timeout >= 2:
+            raise ConfigError("wrapper.hang_timeout must be 0 (off) or at least 2 seconds")
         if self.max_requeues < 0:
             raise ConfigError("wrapper.max_requeues must be >= 0")
         if not 0 <= self.requeue_exit <= 255:
@@ -252,7 +266,7 @@ class WrapperConfig:
         parse_signal(self.signal)
 
 
-SNAPSHOTS = ("auto", "overlap", "copy", "fork", "lazy")
+SNAPSHOTS = ("auto", "overlap", "copy", "fork")
 """The ``engine.snapshot`` modes (see ``slurm_ckpt.engine``)."""
 
 
@@ -266,13 +280,16 @@ class EngineConfig:
     direct_io: bool = True
     """Use O_DIRECT where the filesystem supports it and runs it fast (buffered on ceph-fuse, and where it is refused)."""
     snapshot: str = "auto"
-    """auto|overlap|copy|fork|lazy: how save_async captures the state (see the engine docs)."""
+    """auto|overlap|copy|fork: how save_async captures the state (see the engine docs)."""
     pin_memory: bool = True
     """Stage CUDA tensors in pinned host memory (kept and reused between saves)."""
     torch_huge_pages: bool = True
     """slurm-ckpt run sets THP_MEM_ALLOC_ENABLE=1 for the command (unless set): torch then puts large CPU tensors on huge pages, which O_DIRECT writes and fork snapshots go faster from."""
 
     def validate(self) -> None:
+        if self.snapshot == "lazy":
+            raise ConfigError("engine.snapshot: lazy was removed; use overlap, which also returns before copying "
+                              "the tensors and needs no fence before optimizer.step()")
         if self.snapshot not in SNAPSHOTS:
             raise ConfigError(f"engine.snapshot must be one of {', '.join(SNAPSHOTS)}")
         if self.chunk_size <= 0 or self.chunk_size % 4096:

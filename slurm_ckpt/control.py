@@ -21,6 +21,15 @@ hook). Workers started with the ``spawn``/``forkserver`` methods exec a fresh
 interpreter, which resets a handled signal to its default action: use the
 default ``fork`` method (Linux) for DataLoader workers under Slurm.
 
+Progress. When the wrapper watches for hangs it sets ``$SLURM_CKPT_PROGRESS``
+(seconds). :meth:`Control.progress` then stores the step (a plain attribute,
+no system call) and the first call starts a daemon thread that sends
+``progress <pid> <step> <where>`` that often: the thread keeps beating while
+the main thread is stuck, and says where it is stuck (``sys._current_frames``),
+which is how the wrapper tells a rank waiting in a collective from the rank
+that holds it up. Without the variable, ``progress`` stores the step and
+nothing else happens.
+
 Channel. ``$SLURM_CKPT_CONTROL`` names the wrapper's Unix datagram socket;
 lines are ``ready <pid>`` and ``committed <step> <path>`` (``protocol.py``). If it names anything
 else (a plain file), lines are appended to it, which is handy for debugging
@@ -37,12 +46,20 @@ import os
 import signal
 import socket
 import stat
+import sys
 import threading
 import weakref
 from types import FrameType
 
 from .errors import ConfigError
-from .protocol import CONTROL_ENV, SIGNAL_ENV, committed_line, ready_line
+from .protocol import (
+    CONTROL_ENV,
+    PROGRESS_ENV,
+    SIGNAL_ENV,
+    committed_line,
+    progress_line,
+    ready_line,
+)
 
 __all__ = ["Control", "parse_signal"]
 
@@ -109,6 +126,12 @@ class Control:
         # second signal (Slurm sends USR1 then TERM) arriving while the first
         # handler holds it deadlocks the main thread. A store of a bool cannot.
         self._requested = False
+        self._step = -1
+        self._beat: threading.Thread | None = None
+        try:
+            self._beat_every = float(os.environ.get(PROGRESS_ENV, "") or 0)
+        except ValueError:
+            self._beat_every = 0.0
         _live.add(self)
 
     @property
@@ -149,6 +172,23 @@ class Control:
             _fork_hook_registered = True
         self.send(ready_line(os.getpid()))
 
+    def progress(self, step: int) -> None:
+        """Record that the trainer reached ``step`` (call once per step; it costs an
+        attribute store). Under a wrapper that watches for hangs, the first call
+        starts the heartbeat thread."""
+        self._step = step
+        if self._beat is None and self._beat_every > 0 and self.channel:
+            self._beat = threading.Thread(target=self._heartbeat, args=(threading.main_thread().ident,),
+                                          name="slurm-ckpt-progress", daemon=True)  # fmt: skip
+            self._beat.start()
+
+    def _heartbeat(self, main: int | None) -> None:
+        pid, tick = os.getpid(), threading.Event()
+        # Datagrams only, never appended to a file; it stops once the wrapper's socket is gone.
+        while os.getpid() == pid and _is_socket(self.channel):
+            _send_datagram(self.channel, (progress_line(pid, self._step, where_is(main)) + "\n").encode())
+            tick.wait(self._beat_every)
+
     def report_committed(self, step: int, path: str) -> None:
         """Tell the wrapper (if any) that ``step`` is committed at ``path``."""
         self.send(committed_line(step, path))
@@ -169,6 +209,36 @@ class Control:
             _send_datagram(self.channel, data)
         else:
             _append(self.channel, data)
+
+
+_PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_DIST = f"{os.sep}torch{os.sep}distributed{os.sep}"
+_ELASTIC = f"{_DIST}elastic{os.sep}"  # torchrun's @record wraps a whole main(): not a collective
+
+
+def where_is(thread_id: int | None, depth: int = 16) -> str:
+    """Where thread ``thread_id`` is now: ``collective`` if one of its innermost
+    ``depth`` Python frames is in ``torch.distributed`` (it waits for the other
+    ranks; a DTensor collective waits under a dozen frames of torch's dispatch),
+    ``checkpoint`` if any frame is slurm-ckpt's own (a save or a load is making
+    progress), else ``compute``."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    n = 0
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if n < depth and _DIST in name and _ELASTIC not in name:
+            return "collective"
+        if name.startswith(_PKG) and not name.endswith("control.py"):
+            return "checkpoint"
+        frame, n = frame.f_back, n + 1
+    return "compute"
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _send_datagram(path: str, data: bytes) -> None:

@@ -62,6 +62,9 @@ _HELP: dict[str, tuple[str, str]] = {
     "durable_stalled": ("gauge", "1 while a call to the durable tier has hung past storage.hang_timeout, else 0."),
     "requeues_total": ("counter", "Times this job has been requeued (SLURM_RESTART_COUNT)."),
     "start_timestamp_seconds": ("gauge", "Unix time this training process started."),
+    "replica_nodes": ("gauge", "Nodes holding every shard of the newest replicated step (own copy included)."),
+    "replica_bytes_sent_total": ("counter", "Bytes this rank sent to peers' scratch as replicas."),
+    "replica_bytes_received_total": ("counter", "Bytes of peers' shards this rank received as replicas."),
 }
 EXPORTED = frozenset(PREFIX + name for name in _HELP)
 """Every metric family name this module can write (for dashboard and rule checks)."""
@@ -211,6 +214,15 @@ class Metrics:
         with self._lock:
             self._load.observe(seconds)
             self._values["load_bytes_total"] += nbytes
+        self.flush()
+
+    def set_replicas(self, nodes: int, sent: int, received: int) -> None:
+        """After a save's peer replication: on how many nodes it lives, and the bytes so far."""
+        with self._lock:
+            v = self._values
+            v["replica_nodes"] = nodes
+            v["replica_bytes_sent_total"] = sent
+            v["replica_bytes_received_total"] = received
         self.flush()
 
     def set_stageout_lag(self, seconds: float) -> None:

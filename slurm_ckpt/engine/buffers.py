@@ -96,7 +96,7 @@ def aligned_buffer(nbytes: int, *, huge: bool = True, wipe_on_fork: bool = False
     write to each page copies it in a fault, 4 KiB at a time, breaking up huge
     pages (``bench/worker_fork.py``). Never for memory handed to the trainer,
     which its children may read, nor for anything a fork snapshot's child
-    writes out (``forked.py``).
+    writes out (``snapshot/fork.py``).
     """
     mm = huge_buffer(nbytes, huge=huge)
     if wipe_on_fork:

@@ -46,11 +46,10 @@ class SaveHandle:
     def fence(self, timeout: float | None = None) -> None:
         """Block until the save no longer reads the trainer's tensors.
 
-        Only the opt-in modes need it: ``lazy`` before the next in-place
-        update (``optimizer.step()``); ``overlap`` before changing large
-        tensors other than through ``optimizer.step()``, which waits by
-        itself. In ``copy`` and ``fork`` (the default) the state was captured
-        before ``save_async`` returned, and it returns at once.
+        Only the opt-in ``overlap`` needs it, before changing large tensors
+        other than through ``optimizer.step()``, which waits by itself. In
+        ``copy`` and ``fork`` (the default) the state was captured before
+        ``save_async`` returned, and it returns at once.
         """
         if not self._captured.wait(timeout):
             raise TimeoutError(f"save of step {self.step}: tensors not captured after {timeout}s")

@@ -1,9 +1,10 @@
 """A checkpoint ready to be written: the ``write`` function that ``commit()`` calls.
 
-A job is made when a save is requested (``Engine.job``) and holds whatever
-makes its data immune to later changes: the tensors themselves for a
-synchronous save, a staged copy, a copy being made on a thread of its own, or
-a forked child's copy-on-write snapshot.
+A job is made when a save is requested (``Engine.job``, one snapshot module
+per mode in ``snapshot/``) and holds whatever makes its data immune to later
+changes: the tensors themselves for a synchronous save, a staged copy, a copy
+being made on a thread of its own, or a forked child's copy-on-write snapshot
+(``snapshot/fork.py``).
 ``write(tmp)`` can be called more than once, each time into a fresh temp dir,
 because a retried commit writes everything again.
 """
@@ -18,11 +19,10 @@ from typing import Any
 from ..store.codec import EncodedState
 from ..store.tensorfile import FileRecord
 from ..store.writer import small_files, tensor_file_name, tensor_index, write_small_files
-from . import guard
-from .forked import ForkedWriter
+from .guard import hold, release
 from .layout import FileImage
 
-__all__ = ["ForkJob", "ImageJob", "SaveJob", "ThreadCopyJob"]
+__all__ = ["ImageJob", "SaveJob", "WriteImage"]
 
 WriteImage = Callable[[Path, FileImage], FileRecord]
 
@@ -56,89 +56,54 @@ class SaveJob:
 
 
 class ImageJob(SaveJob):
-    """Writes a file image in the calling thread (tensors in place, or a staged copy)."""
+    """Writes a file image: the tensors in place, a staged copy, or one still being staged.
 
-    def __init__(self, enc: EncodedState, image: FileImage, write: WriteImage, mode: str) -> None:
-        super().__init__(enc)
-        self.image: FileImage | None = image
-        self._write_image = write
-        self.mode = mode
-        self.captured.set()
-
-    def _write_tensors(self, path: Path) -> FileRecord:
-        assert self.image is not None, "job already closed"
-        return self._write_image(path, self.image)
-
-    def close(self) -> None:
-        self.image = None
-        super().close()
-
-
-class ForkJob(SaveJob):
-    """Writes from a forked child's copy-on-write snapshot."""
-
-    mode = "fork"
-
-    def __init__(self, enc: EncodedState, writer: ForkedWriter) -> None:
-        super().__init__(enc)
-        self.writer = writer
-        self.captured.set()
-
-    def _write_tensors(self, path: Path) -> FileRecord:
-        return self.writer.write(path)
-
-    def close(self) -> None:
-        self.writer.close()
-        super().close()
-
-
-class ThreadCopyJob(SaveJob):
-    """Copies the trainer's tensors into staging on a thread of its own, started at once.
-
-    ``capture`` does the copying and returns the file image. The trainer must
-    not change what it copies until ``captured`` is set: in ``lazy`` mode it
-    calls the fence (``SaveHandle.fence()``) before ``optimizer.step()``; with
-    ``guarded`` (the ``overlap`` mode) every optimizer step waits by itself,
-    and ``capture`` checks for other changes (``guard.py``). Copying before
-    the commit starts, rather than in ``write``, keeps a fence from waiting
-    on a filesystem that stalls.
+    ``image`` is the image, or a function that makes it (the ``overlap``
+    snapshot's copy), which runs at once on a thread of its own; ``write``
+    waits for it. The trainer must not change what that thread copies until
+    ``captured`` is set, and every ``optimizer.step()`` waits for it by itself
+    (``guard.py``). Copying before the commit starts, rather than in
+    ``write``, keeps a fence from waiting on a filesystem that stalls.
     """
 
-    def __init__(self, enc: EncodedState, capture: Callable[[], FileImage], write: WriteImage, *,
-                 mode: str, guarded: bool = False) -> None:  # fmt: skip
+    def __init__(self, enc: EncodedState, image: FileImage | Callable[[], FileImage], write: WriteImage,
+                 mode: str) -> None:  # fmt: skip
         super().__init__(enc)
         self.mode = mode
-        self._capture: Callable[[], FileImage] | None = capture
         self._write_image = write
-        self._image: FileImage | None = None
         self._error: BaseException | None = None
-        self._guarded = guarded
-        if guarded:
-            guard.hold(self.captured)
+        self._thread: threading.Thread | None = None
+        if isinstance(image, FileImage):
+            self.image: FileImage | None = image
+            self.captured.set()
+            return
+        self.image = None
+        self._capture: Callable[[], FileImage] | None = image
+        hold(self.captured)
         self._thread = threading.Thread(target=self._copy, name="slurm-ckpt-copy", daemon=True)
         self._thread.start()
 
     def _copy(self) -> None:
         try:
             assert self._capture is not None
-            self._image = self._capture()
+            self.image = self._capture()
         except BaseException as e:  # raised by write(), so the commit fails with it
             self._error = e
         finally:
             self._capture = None  # it holds the trainer's tensors
             self.captured.set()  # on failure too: a fence must never hang
-            if self._guarded:
-                guard.release(self.captured)
+            release(self.captured)
 
     def _write_tensors(self, path: Path) -> FileRecord:
         self.captured.wait()
         if self._error is not None:
             raise self._error
-        assert self._image is not None, "job already closed"
-        return self._write_image(path, self._image)
+        assert self.image is not None, "job already closed"
+        return self._write_image(path, self.image)
 
     def close(self) -> None:
-        # The staging buffer goes to the next save: no copy may still be writing into it.
-        self._thread.join()
-        self._image = None
+        if self._thread is not None:
+            # The staging buffer goes to the next save: no copy may still be writing into it.
+            self._thread.join()
+        self.image = None
         super().close()

@@ -10,8 +10,7 @@ a copy-on-write fault for every 4 KiB of it.
 
 With CUDA tensors the buffer is pinned host memory: every device-to-host copy
 is queued with ``non_blocking=True`` and the stream is synchronized once at the
-end, instead of once per tensor. ``streams`` lets the lazy mode run the
-copies on side streams that first wait for the trainer's streams.
+end, instead of once per tensor.
 
 CPU tensors whose bytes are their values are copied by address
 (:func:`~slurm_ckpt.engine.memcopy.copy_bytes`), not with torch's ``copy_``:
@@ -121,13 +120,7 @@ class Staging:
             off += n
         return image, pairs
 
-    def capture(
-        self,
-        entries: Sequence[TensorEntry],
-        metadata: dict[str, str] | None = None,
-        *,
-        streams: dict[Any, Any] | None = None,
-    ) -> FileImage:
+    def capture(self, entries: Sequence[TensorEntry], metadata: dict[str, str] | None = None) -> FileImage:
         """Copy ``entries`` (any device, any layout) into the buffer; return the file image.
 
         What :meth:`stage` does, less the views of the buffer it returns: the
@@ -148,15 +141,11 @@ class Staging:
             elif n:
                 pairs.append((e, buf[off : off + n].view(e.tensor.dtype).view(e.tensor.shape)))
             off += n
-        copy_pairs(pairs, streams, plain=plain)
+        copy_pairs(pairs, plain=plain)
         return image
 
     def stage(
-        self,
-        entries: Sequence[TensorEntry],
-        metadata: dict[str, str] | None = None,
-        *,
-        streams: dict[Any, Any] | None = None,
+        self, entries: Sequence[TensorEntry], metadata: dict[str, str] | None = None
     ) -> tuple[FileImage, list[TensorEntry]]:
         """Copy ``entries`` (any device, any layout) into the buffer.
 
@@ -166,11 +155,11 @@ class Staging:
         those views out.
         """
         image, pairs = self.prepare(entries, metadata)
-        copy_pairs(pairs, streams)
+        copy_pairs(pairs)
         return image, [TensorEntry(e.key, dst, e.dtype, e.shape) for e, dst in pairs]
 
 
-def copy_pairs(pairs: Sequence[Pair], streams: dict[Any, Any] | None = None, *, plain: Sequence[Piece] = ()) -> None:
+def copy_pairs(pairs: Sequence[Pair], *, plain: Sequence[Piece] = ()) -> None:
     """Copy each entry's tensor to its place in a staging buffer, and the ``plain``
     pieces of CPU memory (:func:`copy_bytes`); on return all are in host memory."""
     import torch
@@ -184,20 +173,14 @@ def copy_pairs(pairs: Sequence[Pair], streams: dict[Any, Any] | None = None, *, 
         if _plain_cpu(src):
             plain.append((int(dst.data_ptr()), int(src.data_ptr()), e.nbytes))
             continue
-        side = streams.get(src.device) if streams else None
-        if side is not None:
-            with torch.cuda.stream(side):
-                dst.copy_(src, non_blocking=True)
-        else:
-            dst.copy_(src, non_blocking=is_cuda(src))
+        dst.copy_(src, non_blocking=is_cuda(src))
         if is_cuda(src):
             devices.add(src.device)
     copy_bytes(plain, threads=copy_threads())  # CPU work, while the devices copy
     # One synchronization per device for all its device-to-host copies,
     # not one per tensor.
     for dev in devices:
-        side = streams.get(dev) if streams else None
-        (side or torch.cuda.current_stream(dev)).synchronize()
+        torch.cuda.current_stream(dev).synchronize()
 
 
 def _plain_cpu(t: Any) -> bool:

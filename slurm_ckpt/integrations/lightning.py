@@ -46,6 +46,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 
 from .._env import scratch_dir
 from ..checkpointer import Checkpointer, SaveHandle
@@ -57,11 +58,17 @@ from ..store.manifest import MANIFEST
 from ..store.tiers import read_dirs
 from ._folder import error_text, gather_objects, raise_gathered
 from ._lightning_loop import (
+    carry_epoch_sums,
     continue_logs,
+    drop_epoch_sums,
+    epoch_sums,
     finishes_now,
     logger_versions,
     not_whole,
-    skip_stop_validation,
+    set_val_clock,
+    stop_after_batch,
+    undo_stop,
+    val_clock,
 )
 from ._steps import load_step, oldest_newest, read_pointer, resume_step, write_pointer
 
@@ -305,17 +312,25 @@ class PreemptionCallback(Callback):
     optimizer step, not at an epoch's end, not before a due validation (a
     request during validation, the sanity check or an epoch's end waits for
     the next training batch). When ``fit`` ends after the batch anyway, it
-    ends as usual and no checkpoint is taken. After the stop, no validation
-    runs, and what Lightning saves later in the same ``fit``
-    (``ModelCheckpoint`` at the epoch's end or ``on_train_end``) names the
-    stop's checkpoint instead of replacing it: resume picks the state at the stop.
+    ends as usual and no checkpoint is taken. After the stop, ``fit`` ends
+    even before ``min_epochs``/``min_steps``, no validation runs, nothing more
+    is logged (the batch logs as ``log_every_n_steps`` says, and the partial
+    epoch's ``on_epoch`` aggregates are not logged), and what Lightning saves
+    later in the same ``fit`` (``ModelCheckpoint`` at the epoch's end or
+    ``on_train_end``) names the stop's checkpoint instead of replacing it:
+    resume picks the state at the stop.
 
-    ``rng=True`` (the default) also puts the random number generators (Python,
-    NumPy, torch, CUDA; see :func:`slurm_ckpt.rng_state`) into every checkpoint
-    the trainer saves, and restores them on resume just before the first
-    batch, after the DataLoader has drawn its seeds; at a stop's checkpoint
-    that is where the stopped run would have drawn next, so dropout and other
-    random ops continue the same stream. Lightning alone restores none of them.
+    Each checkpoint also holds, for every rank, what a resumed run needs to go
+    on as the stopped one would have, restored just before the first batch
+    after a resume: the partial sums of the epoch's ``on_epoch=True`` training
+    metrics, the clock of a time-based ``val_check_interval``, and with
+    ``rng=True`` (the default) the random number generators (Python, NumPy,
+    torch, CUDA; see :func:`slurm_ckpt.rng_state`), after the DataLoader has
+    drawn its seeds; at a stop's checkpoint that is where the stopped run would
+    have drawn next, so dropout and other random ops continue each rank's
+    stream. Lightning alone restores none of them. Every rank must call
+    ``trainer.save_checkpoint`` (as Lightning requires): the ranks' states are
+    gathered.
 
     ``loggers=True`` (the default) keeps the loggers' versions in the
     checkpoint, and a ``fit`` resumed from :meth:`SlurmCkptIO.resume_path`
@@ -332,26 +347,60 @@ class PreemptionCallback(Callback):
         self._requested = False
         self._waiting_for = ""
         self._versions: list[Any] = []
-        self._rng_to_restore: dict[str, Any] | None = None
+        self._trainer: Trainer | None = None
+        self._to_restore: dict[str, Any] | None = None
+        self._undo: tuple[Any, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"rng": rng_state()} if self.rng else {}
+        trainer = self._trainer
+        mine: dict[str, Any] = {"rng": rng_state()} if self.rng else {}
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            mine["epoch_sums"] = epoch_sums(trainer)
+            mine["val_clock"] = val_clock(trainer)
+        # Lightning calls this on every rank and writes rank 0's: each rank's own goes in.
+        state: dict[str, Any] = {"ranks": gather_objects(mine)}
         if self.loggers:
             state["loggers"] = self._versions
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.rng and "rng" in state_dict:
-            self._rng_to_restore = state_dict["rng"]
+        ranks = state_dict.get("ranks")
+        if ranks is None:  # saved by an older version: one rank's generators
+            self._to_restore = {"rng": state_dict["rng"]} if "rng" in state_dict else None
+            return
+        import torch.distributed as dist
+
+        on = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+        if len(ranks) != world:
+            log.warning("the checkpoint was saved by %d ranks, this run has %d: the random generators, "
+                        "epoch metrics and validation clock start afresh", len(ranks), world)  # fmt: skip
+            self._to_restore = None
+            return
+        self._to_restore = dict(ranks[rank])
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
                              batch_idx: int) -> None:  # fmt: skip
         # Not in load_state_dict: Lightning restores callbacks before it builds the
         # DataLoader iterator, which draws its seeds from torch's generator; the
         # run that saved had drawn them before this point of the epoch.
-        if self._rng_to_restore is not None:
-            set_rng_state(self._rng_to_restore)
-            self._rng_to_restore = None
+        restore, self._to_restore = self._to_restore, None
+        if restore is None:
+            return
+        if self.rng and "rng" in restore:
+            set_rng_state(restore["rng"])
+        if "epoch_sums" in restore:
+            carry_epoch_sums(trainer, restore["epoch_sums"])
+        set_val_clock(trainer, restore.get("val_clock"))
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        drop_epoch_sums(trainer)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._undo is not None:
+            undo_stop(trainer, self._undo)
+            self._undo = None
+        drop_epoch_sums(trainer)
 
     @staticmethod
     def _io(trainer: Trainer) -> SlurmCkptIO:
@@ -382,6 +431,7 @@ class PreemptionCallback(Callback):
         # fit: Lightning then chains SIGTERM to the Checkpointer's flag.
         io = self._io(trainer)
         _ = io.ckpt
+        self._trainer = trainer
         if stage != "fit":
             return
         self.stopped, self.step, self._requested, self._waiting_for = False, None, False, ""
@@ -399,7 +449,7 @@ class PreemptionCallback(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:  # fmt: skip
-        if self.stopped:
+        if self.stopped or self._undo is not None:
             return
         io = self._io(trainer)
         # Every rank, every batch: the agreement is a collective.
@@ -413,11 +463,12 @@ class PreemptionCallback(Callback):
                 log.info("checkpoint requested at step %d: stopping after %s", trainer.global_step, pending)
                 self._waiting_for = pending
             return
-        path = Path(trainer.default_root_dir) / self.filename
-        trainer.save_checkpoint(path)
-        io.wait()  # committed (and reported to the wrapper) before fit returns
-        self.stopped, self.step = True, trainer.global_step
-        io._stopped_at = trainer.global_step
-        trainer.should_stop = True
-        skip_stop_validation(trainer)
-        log.info("checkpointed step %d on request; stopping", trainer.global_step)
+
+        def checkpoint() -> None:
+            trainer.save_checkpoint(Path(trainer.default_root_dir) / self.filename)
+            io.wait()  # committed (and reported to the wrapper) before fit returns
+            self.stopped, self.step = True, trainer.global_step
+            io._stopped_at = trainer.global_step
+            log.info("checkpointed step %d on request; stopping", trainer.global_step)
+
+        self._undo = stop_after_batch(trainer, checkpoint)

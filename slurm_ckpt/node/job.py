@@ -104,3 +104,20 @@ def comment_size(job: Job, key: str, warnings: list[str]) -> int | None:
         warnings.append(f"--comment {key}={raw!r} is beyond any disk ({format_size(size)}); ignored")
         return None
     return size
+
+
+_MAX_REPLICAS = 64
+
+
+def comment_replicas(job: Job, default: int, warnings: list[str]) -> int:
+    """Peer replicas the job asks for with ``--comment ckpt_replicas=N``, else ``default``
+    (``scratch.replicas``). A malformed value adds a warning and counts as absent."""
+    found = [m.group("value") for m in _TOKEN.finditer(job.comment) if m.group("key") == "ckpt_replicas"]
+    if not found:
+        return default
+    raw = found[-1]
+    if not raw.isdigit() or int(raw) > _MAX_REPLICAS:
+        warnings.append(f"--comment ckpt_replicas={raw!r} is not a count from 0 to {_MAX_REPLICAS}; "
+                        f"{default} used")  # fmt: skip
+        return default
+    return int(raw)

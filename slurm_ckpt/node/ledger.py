@@ -199,7 +199,8 @@ class Ledger:
     def reserve(self, job_id: str, asked: int, *, uid: int, policy: str, min_size: int,
                 restarts: int = 0, alive: Callable[[str, dict[str, Any]], bool] | None = None,
                 set_aside: Callable[[str, dict[str, Any]], str | None] | None = None,
-                drop: Dropper | None = None, leaked: Mapping[str, int] | None = None) -> Grant:  # fmt: skip
+                drop: Dropper | None = None, leaked: Mapping[str, int] | None = None,
+                replicas: int = 0) -> Grant:  # fmt: skip
         """Reserve ``asked`` bytes for ``job_id``, or less under ``policy``.
 
         A job that already holds a reservation (requeued onto the same node,
@@ -215,7 +216,9 @@ class Ledger:
         holds, counted as taken until it is gone.
         When the rest is too little, ``drop(key, entry)`` removes kept
         scratch of other jobs, the oldest first, until it is enough (see
-        :meth:`drop_kept` for what it returns).
+        :meth:`drop_kept` for what it returns). ``replicas``: ``asked`` holds room for the
+        job's own shards and that many peers' replicas; the entry records it, and the
+        bytes set aside for replicas (``replica_bytes``, of the size granted).
         """
         with self._locked() as entries:
             old = entries.get(job_id)
@@ -256,6 +259,8 @@ class Ledger:
                 )
             if size:
                 entries[job_id] = {"size": size, "asked": asked, "uid": uid, "since": time.time()}
+                if replicas:
+                    entries[job_id] |= {"replicas": replicas, "replica_bytes": size * replicas // (1 + replicas)}
             return Grant(asked, size, warning)
 
     def set_kept(self, job_id: str, reason: str, restarts: int, keep_for: float | None = None) -> None:

@@ -272,22 +272,33 @@ def _bound() -> Iterator[tuple[str, int, int, int]]:
         yield n, info[0], info[1], size
 
 
-def leaked(base_fd: int, known: Callable[[], set[int]]) -> dict[str, int]:
-    """Loop devices backed by a file on the scratch base's filesystem whose inode is not in
+def leaked(state_fd: int, known: Callable[[], set[int]]) -> dict[str, int]:
+    """Loop devices backed by a file under the hooks' state dir whose inode is not in
     ``known()`` (the images the ledger holds): ``{"<device>:<inode>": bytes}``.
 
     An image unlinked while a device still held it (a user's own mount
     namespace kept its filesystem mounted) has no name and no ledger entry,
     but its blocks are taken until the device lets go. ``known`` is called
     after the devices are listed: an image is named before its device is
-    bound, so one a prolog is making meanwhile is never taken for a leak.
+    bound, so one a prolog is making meanwhile is never taken for a leak. Devices on other
+    files (a container image a job mounts, anything of the site's) are not scratch.
     """
-    base_dev = os.fstat(base_fd).st_dev
-    ours = [(n, ino, size) for n, dev, ino, size in _bound() if dev == base_dev]
+    state_dev = os.fstat(state_fd).st_dev
+    under = os.readlink(f"/proc/self/fd/{state_fd}").rstrip("/") + "/"
+    ours = [(n, ino, size) for n, dev, ino, size in _bound() if dev == state_dev and _backing(n).startswith(under)]
     if not ours:
         return {}
     names = known()
     return {f"{n}:{ino}": size for n, ino, size in ours if ino not in names}
+
+
+def _backing(name: str) -> str:
+    """The path the kernel recorded for loop device ``name``'s file ("" if unbound)."""
+    try:
+        with open(f"/sys/block/{name}/loop/backing_file", "rb") as f:
+            return os.fsdecode(f.read().rstrip(b"\n"))
+    except OSError:
+        return ""
 
 
 def _mounted_elsewhere(fd: int) -> bool:
@@ -304,12 +315,7 @@ def _mounted_elsewhere(fd: int) -> bool:
     except OSError:
         return False
     for n in names:
-        try:
-            with open(f"/sys/block/{n}/loop/backing_file", "rb") as f:
-                backing = os.fsdecode(f.read().rstrip(b"\n"))
-        except OSError:
-            continue  # not bound
-        if backing == path and any(os.path.exists(f"/sys/fs/{t}/{n}") for t in _MKFS):
+        if _backing(n) == path and any(os.path.exists(f"/sys/fs/{t}/{n}") for t in _MKFS):
             return True
     return False
 

@@ -28,7 +28,7 @@ from ..errors import ConfigError, StorageError, storage_error
 from ..fsinfo import block_device, cgroup_mount, mount_of, set_project
 from . import cgroup, commands, graveyard, loopfs, mounts, quota
 from .hook import HookContext, load_context, setup_logging
-from .job import InvalidJob, comment_size
+from .job import InvalidJob, comment_replicas, comment_size
 from .ledger import GRAVE, Ledger
 from .report import JobReport
 from .scratch import hand_over, make_job_dir, open_state_dir
@@ -79,6 +79,10 @@ def _prepare(ctx: HookContext, base_fd: int, state_fd: int) -> JobReport:
     vfs = os.fstatvfs(base_fd)
     capacity = vfs.f_blocks * vfs.f_frsize
     asked = comment_size(job, "ckpt_scratch", report.warnings) or sc.default_size
+    # Each node also holds the shards of the ``replicas`` nodes before it in the ring
+    # (placement/replicas.py): room for them is reserved with the job's own.
+    replicas = comment_replicas(job, sc.replicas, report.warnings)
+    asked *= 1 + replicas
     want = _capped(asked, sc.default_size, sc.max_size, max(0, capacity - sc.headroom), report.warnings)
     ledger = Ledger(ctx.state_dir, capacity, sc.headroom)
     # A mount left on this job's name (a kept scratch's, a reused id's) is detached, never followed.
@@ -100,8 +104,9 @@ def _prepare(ctx: HookContext, base_fd: int, state_fd: int) -> JobReport:
 
     grant = ledger.reserve(job.job_id, want, uid=job.uid, policy=sc.over_reserve, min_size=sc.min_size,
                            restarts=job.restart_count, alive=alive, set_aside=set_aside, drop=drop,
-                           leaked=loopfs.leaked(base_fd, lambda: _image_inodes(state_fd)))  # fmt: skip
-    report.asked, report.size = asked, grant.size
+                           leaked=loopfs.leaked(state_fd, lambda: _image_inodes(state_fd)),
+                           replicas=replicas)  # fmt: skip
+    report.asked, report.size, report.replicas = asked, grant.size, replicas
     if grant.warning:
         report.warnings.append(grant.warning)
     if grant.size:

@@ -50,6 +50,7 @@ class JobReport:
     asked: int = 0
     enforce: str = "none"
     io_cgroup: str | None = None
+    replicas: int = 0
     warnings: list[str] = field(default_factory=list)
     checks: dict[str, Any] = field(default_factory=dict)
     time: float = field(default_factory=time.time)
@@ -146,6 +147,8 @@ def task_prolog_lines(report: JobReport | None, first_task: bool) -> list[str]:
     out = []
     if report.scratch:
         out.append(f"export SLURM_CKPT_SCRATCH={_line(report.scratch)}")
+    if report.scratch and report.replicas:
+        out.append(f"export SLURM_CKPT_SCRATCH_REPLICAS={int(report.replicas)}")
     if report.io_cgroup:
         out.append(f"export SLURM_CKPT_IO_CGROUP={_line(report.io_cgroup)}")
     if first_task:

@@ -11,6 +11,10 @@ Every shard newer than the durable tier is staged, not only the newest: if
 another node's drain got its older shard out but died before the newer one,
 this node's older shard is what completes the last whole checkpoint.
 
+The peers' shards this node keeps as replicas (``<scratch>/ckpt/replicas/rank-K/``)
+are staged the same way, after its own: when a node is lost before its
+shards reached the durable tier, a replica on another node completes the save.
+
 The durable tier's newest checkpoint is found with the same screens as
 scratch (see :func:`.screen.newest_step`): the user writes both.
 """
@@ -44,12 +48,20 @@ def _assembled_here(done: Path) -> bool:
         return False
 
 
-def _rank_dirs(scratch_ckpt: Path) -> list[Path]:
+def _rank_dirs(scratch_ckpt: Path, *, replicas: bool = True) -> list[Path]:
+    """This node's ``rank-K`` dirs, then (``replicas``) those of the peers' shards it keeps
+    (``replicas/rank-K``): the epilog stages both alike."""
     try:
         names = sorted(os.listdir(scratch_ckpt))
     except OSError:
         return []
     out = []
+    if replicas and sh.REPLICAS_DIR in names:
+        try:
+            if stat.S_ISDIR(os.lstat(scratch_ckpt / sh.REPLICAS_DIR).st_mode):
+                out += _rank_dirs(scratch_ckpt / sh.REPLICAS_DIR, replicas=False)
+        except OSError:
+            pass
     for name in names:
         if sh.rank_of(name) is None:
             continue
@@ -58,7 +70,8 @@ def _rank_dirs(scratch_ckpt: Path) -> list[Path]:
                 out.append(scratch_ckpt / name)
         except OSError:
             continue
-    return out
+    # Own shards first: a replica of the same shard is only needed when they are gone.
+    return sorted(out, key=lambda p: p.parent.name == sh.REPLICAS_DIR)
 
 
 def has_shards(scratch_ckpt: Path) -> bool:

@@ -44,6 +44,8 @@ def choose(
     lock_timeout: float | None = 0,
     on_lag: Callable[[float], None] | None = None,
     on_stall: Callable[[bool], None] | None = None,
+    replicas: int = 0,
+    on_replicas: Callable[[int, int, int], None] | None = None,
 ) -> Placement:
     """The placement for this process's saves into ``run_dir``.
 
@@ -57,6 +59,9 @@ def choose(
     ranks: :class:`CrossNode` when any rank has usable scratch, else
     :class:`Collective`. ``on_lag`` hears the stage-out lag in seconds, ``on_stall``
     whether the durable tier's I/O is stuck past ``storage.hang_timeout`` (one process).
+    ``replicas``: peer replicas of each scratch shard (``CrossNode``, ``replicas.py``);
+    ``on_replicas`` hears (nodes holding the newest step, bytes sent, bytes received)
+    after each replication.
     """
     group = open_group(distributed)
     fast = scratch_tier(run_dir.path, scratch)
@@ -65,7 +70,8 @@ def choose(
                            on_lag=on_lag, on_stall=on_stall)  # fmt: skip
     # Every rank takes part in setup (a collective), with or without scratch.
     crossnode = CrossNode.setup(group, run_dir, fast, keep=keep, lock_timeout=lock_timeout,
-                                on_lag=on_lag, drain=storage.drain)  # fmt: skip
+                                on_lag=on_lag, drain=storage.drain, replicas=replicas,
+                                on_replicas=on_replicas)  # fmt: skip
     return crossnode if crossnode is not None else Collective(run_dir, group, keep)
 
 

@@ -28,11 +28,20 @@ needs parts of the other ranks' shards (and the ones a rank holds alone,
 replicated tensors and the plain values, are written once, by one rank). All ranks load their part of the
 same candidate and agree before anyone uses it, moving to the next older one
 together if any rank's part fails its checksums.
+
+With peer replicas (``scratch.replicas``, ``replicas.py``) each shard is also
+copied to the next nodes' scratch after the save. Resume then also counts a
+save whose shards the ranks hold between them (their nodes' own shards and
+replicas, saved at any world size, chunked or not): the ranks stage those
+shards into the durable staging dir and assemble the checkpoint there, then
+load it like any durable one, resharded to the current world size.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -40,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ShardError
+from ..errors import CheckpointCorrupt, ShardError
 from ..ranks import RankGroup
 from ..store import RunDir, Skipped, iter_valid, note_skip
 from ..store import shards as sh
@@ -53,6 +62,7 @@ from ..store.tiers import Tiers, write_tier_file
 from ..store.verify import is_committed
 from .base import Load
 from .collective import Status, attempt, load_part, verdict
+from .replicas import Replicator, node_name, replica_shards
 
 __all__ = ["CrossNode"]
 
@@ -74,8 +84,10 @@ class CrossNode:
 
     def __init__(self, group: RankGroup, durable: RunDir, fast: Path | None, *, keep: int,
                  lock_timeout: float | None = 0, on_lag: Callable[[float], None] | None = None,
-                 drain: bool = True) -> None:  # fmt: skip
+                 drain: bool = True, replicas: int = 0, peers: list[tuple[bool, str]] | None = None,
+                 on_replicas: Callable[[int, int, int], None] | None = None) -> None:  # fmt: skip
         self.group, self.durable, self.keep = group, durable, keep
+        self._top = fast
         self.rank, self.world = group.rank, group.world
         self.fast = (
             None
@@ -93,6 +105,17 @@ class CrossNode:
             on_done=self._done,
             on_change=self._report_lag,
         )
+        self.replicator: Replicator | None = None
+        if replicas > 0 and peers is not None:
+            def heard(st: Any) -> None:
+                if on_replicas is not None:
+                    on_replicas(st.nodes[max(st.nodes)] if st.nodes else 1, st.bytes_sent, st.bytes_received)
+
+            # A gloo group of its own: the replication thread's collectives never pair
+            # up with the saves' or the step agreement's.
+            pg = group.td.new_group(backend="gloo")
+            self.replicator = Replicator(group.td, pg, self.rank, self.world, peers, replicas, fast,
+                                         durable.path, keep, on_stats=heard)  # fmt: skip
 
     @classmethod
     def setup(
@@ -102,7 +125,7 @@ class CrossNode:
 
         ``fast`` is this rank's fast-tier dir (``<scratch>/ckpt``) or None.
         """
-        host = socket.gethostname()
+        host = node_name()  # the replica ring goes by node
         if fast is not None:
             try:
                 RunDir(fast / sh.shard_name(group.rank)).ensure()
@@ -111,9 +134,15 @@ class CrossNode:
             except OSError as e:
                 log.warning("cannot use scratch %s (%s)", fast, e)
                 fast = None
-        peers = group.all_gather((fast is not None, host))
+        replicas = int(kwargs.pop("replicas", 0) or 0)
+        gathered = group.all_gather((fast is not None, host, replicas))
+        peers = [(has, h) for has, h, _ in gathered]
         if not any(has for has, _ in peers):
             return None
+        # Replicas only when every rank asks for them and there is a peer node to hold them.
+        replicas = min(r for _, _, r in gathered)
+        if len({h for has, h in peers if has}) < 2:
+            replicas = 0
         without = sorted({h for has, h in peers if not has})
         if fast is None:
             log.warning("rank %d on %s has no node-local scratch: its shards go straight to the durable "
@@ -134,7 +163,7 @@ class CrossNode:
             raise err
         if failed is not None:
             raise ShardError(f"rank 0 cannot write {durable.path}: {failed}")
-        return cls(group, durable, fast, keep=keep, **kwargs)
+        return cls(group, durable, fast, keep=keep, replicas=replicas, peers=peers, **kwargs)
 
     # -- saving (collective) ---------------------------------------------------
     def commit(self, step: int, write: WriteFn, **meta: Any) -> Path:
@@ -170,9 +199,13 @@ class CrossNode:
             raise ShardError(f"checkpoint step {step} not saved: " + "; ".join(failed))
         # Every rank's shard is committed on its node. Those on scratch still
         # have to reach the durable tier; the last one there assembles step-N.
+        shard = None
         if self.fast is not None:
             shard = sh.LocalShard(step, save_id, self.rank, self.world, path, Manifest.read(path))
             self._drainer.submit(_Item(step, save_id, shard, time.time()))
+        if self.replicator is not None:  # every rank, shard or not: the exchanges stay in step
+            own = shard if self.fast is not None else None
+            self.replicator.submit(step, save_id, own)
         return path
 
     @property
@@ -191,7 +224,14 @@ class CrossNode:
                                before=before, later=later)  # fmt: skip
 
     def protected(self) -> set[Path]:
-        return {i.shard.path for i in self._drainer.in_flight()}
+        keep = {i.shard.path for i in self._drainer.in_flight()}
+        if self.replicator is not None:
+            keep |= self.replicator.protected()
+        return keep
+
+    def replicated(self, timeout: float | None = None) -> bool:
+        """Wait until the saves so far are on their peers' scratch (True at once without replicas)."""
+        return self.replicator.wait(timeout) if self.replicator is not None else True
 
     # -- the drain ---------------------------------------------------------------
     def _stage(self, item: _Item) -> tuple[Path, Path | None]:
@@ -231,13 +271,18 @@ class CrossNode:
         return is_committed(self.durable.path, step)
 
     def take_error(self) -> BaseException | None:
-        return self._drainer.take_error()
+        err = self._drainer.take_error()
+        if err is None and self.replicator is not None:
+            err = self.replicator.take_error()
+        return err
 
     def agree(self, flag: bool) -> bool:
         return self.group.agree(flag)
 
     def close(self, timeout: float | None = None) -> bool:
         try:
+            if self.replicator is not None:
+                self.replicator.close(timeout)
             return self.drain(timeout)
         finally:
             if self.fast is not None:
@@ -270,11 +315,13 @@ class CrossNode:
                 e,
             )
             own = {}
-        sets = g.all_gather(sorted((k[0], k[1], s.manifest.time) for k, s in own.items()))
+        held = self._held()
+        sets = g.all_gather((sorted((k[0], k[1], s.manifest.time) for k, s in own.items()),
+                             sorted(held)))  # fmt: skip
         cands: list[tuple[str, int, str]] | str | None = None
         if self.rank == 0:
             try:
-                cands = _candidates(sets, self.durable.path, skipped)
+                cands = _candidates([o for o, _ in sets], self.durable.path, skipped, [h for _, h in sets])
             except OSError as e:  # the others wait on the broadcast: tell them
                 cands = f"rank 0 cannot list {self.durable.path}: {e}"
         cands = g.broadcast(cands)
@@ -289,9 +336,66 @@ class CrossNode:
             note_skip(path or Path(ref), "; ".join(bad), skipped)
         return None
 
+    def _holdings(self) -> list[sh.LocalShard]:
+        """Every shard this rank can read: all ``rank-*`` dirs of this node's scratch (the ranks
+        this node had in an earlier run too) and the peers' replicas on it."""
+        if self._top is None:
+            return []
+        out: list[sh.LocalShard] = []
+        try:
+            for name in sorted(os.listdir(self._top)):
+                if sh.rank_of(name) is not None:
+                    out.extend(sh.local_shards(self._top / name))
+            out.extend(replica_shards(self._top))
+        except OSError as e:
+            log.warning("cannot list the shards and replicas on %s: %s", self._top, e)
+        return out
+
+    def _held(self) -> list[tuple[int, str, int, int, float]]:
+        self._by_key = {(s.step, s.save_id, s.rank): s for s in reversed(self._holdings())}
+        return [(s.step, s.save_id, s.rank, s.world, s.manifest.time) for s in self._by_key.values()]
+
+    def _from_replicas(self, step: int, ref: str) -> tuple[Status, Path | None, BaseException | None]:
+        """*Collective.* Stage the shards of one save from the ranks that hold them (own or
+        replica) and assemble it on the durable tier: (status, its path, the error if fatal)."""
+        save_id, world, plan = json.loads(ref)
+        mine = [int(r) for r, holder in plan.items() if holder == self.rank]
+        status: Status = ("ok", "")
+        for r in mine:
+            shard = getattr(self, "_by_key", {}).get((step, save_id, r))
+            if shard is None:
+                status = ("corrupt", f"rank {self.rank}: shard {r} of step {step} is gone")
+                break
+            try:
+                sh.stage_shard(shard, self.durable.path, keep=self.keep)
+            except (OSError, CheckpointCorrupt) as e:
+                status = ("corrupt", f"rank {self.rank}: cannot stage shard {r} of step {step}: {e}")
+                break
+        bad = [why for kind, why in self.group.all_gather(status) if kind != "ok"]
+        done: str | None = None
+        if not bad and self.rank == 0:
+            try:
+                path = sh.complete(self.durable.path, step, save_id, world, keep=self.keep, by="resume")
+                done = str(path) if path is not None else None
+                if done is None:
+                    bad = [f"step {step}: shards missing after staging"]
+            except (OSError, CheckpointCorrupt) as e:
+                bad = [f"cannot assemble step {step}: {e}"]
+        got = self.group.broadcast((done, bad))
+        done, bad = got
+        if bad or done is None:
+            return ("corrupt", "; ".join(bad)), None, None
+        log.info("step %d assembled from the shards and replicas on the surviving nodes: %s", step, done)
+        return ("ok", ""), Path(done), None
+
     def _load_part(self, kind: str, step: int, ref: str, own: dict[tuple[int, str], sh.LocalShard],
                    load: Load) -> tuple[Status, Any, Path | None, BaseException | None]:  # fmt: skip
         """Load this rank's part of one candidate: status, state, path, the error if fatal."""
+        if kind == "replicas":
+            status, where, err = self._from_replicas(step, ref)
+            if where is None:
+                return status, None, None, err
+            ref = str(where)
         if kind == "shards":
             shard = own.get((step, ref))
             if shard is None:
@@ -303,13 +407,16 @@ class CrossNode:
         return status, got[0] if got is not None else None, path, err
 
 
-def _candidates(sets: list[list[tuple[int, str, float]]], durable: Path,
-                skipped: list[Skipped] | None) -> list[tuple[str, int, str]]:  # fmt: skip
-    """Newest first: committed checkpoints, and saves every rank holds a shard of.
+def _candidates(sets: list[list[tuple[int, str, float]]], durable: Path, skipped: list[Skipped] | None,
+                held: list[list[tuple[int, str, int, int, float]]] | None = None) -> list[tuple[str, int, str]]:  # fmt: skip
+    """Newest first: committed checkpoints, saves every rank holds a shard of, and
+    saves whose shards the ranks hold between them (own or replica, any world size).
 
     A save only some ranks hold (a node died, a node's scratch is gone) is no
-    candidate. At equal steps the newer save wins; the same save on both
-    tiers is read from the shards, which may be on fast scratch.
+    candidate unless replicas make up for it. At equal steps the newer save
+    wins; the same save on both tiers is read from the shards, which may be on
+    fast scratch; a save already committed on the durable tier is not
+    assembled again from replicas.
     """
     common = set.intersection(*({(s, sid) for s, sid, _ in per_rank} for per_rank in sets))
     when: dict[tuple[int, str], float] = {}
@@ -320,7 +427,31 @@ def _candidates(sets: list[list[tuple[int, str, float]]], durable: Path,
     ranked: list[tuple[int, float, int, str, str]] = [
         (s, when[(s, sid)], 1, "shards", sid) for s, sid in common
     ]
+    assembled: set[tuple[int, str]] = set()
     for cand in iter_valid([durable], full=False, skipped=skipped):
         ranked.append((cand.step, cand.manifest.time, 0, "durable", str(cand.path)))
+        assembled.add((cand.step, str(cand.manifest.extra.get("save_id"))))
+    for (s, sid, world), (plan, t) in _whole_sets(held or [], durable).items():
+        if (s, sid) not in common and (s, sid) not in assembled:
+            ranked.append((s, t, -1, "replicas", json.dumps([sid, world, plan])))
     ranked.sort(key=lambda c: (c[0], c[1], c[2]), reverse=True)
     return [(kind, step, ref) for step, _, _, kind, ref in ranked]
+
+
+def _whole_sets(held: list[list[tuple[int, str, int, int, float]]],
+                durable: Path) -> dict[tuple[int, str, int], tuple[dict[str, int], float]]:  # fmt: skip
+    """(step, save_id, world) -> ({shard rank: the rank that stages it}, time) for every save
+    whose shards are all held by some rank, on its scratch or in the durable staging dirs."""
+    holders: dict[tuple[int, str, int], dict[str, int]] = {}
+    when: dict[tuple[int, str, int], float] = {}
+    for me, shards in enumerate(held):
+        for step, sid, r, world, t in shards:
+            key = (step, sid, world)
+            holders.setdefault(key, {}).setdefault(str(r), me)
+            when[key] = max(when.get(key, 0.0), t)
+    for shard in sh.staged_shards(durable):
+        key = (shard.step, shard.save_id, shard.world)
+        if key in holders:
+            holders[key].setdefault(str(shard.rank), -1)  # staged already: nobody copies it
+    return {k: (plan, when[k]) for k, plan in holders.items()
+            if set(plan) == {str(r) for r in range(k[2])}}  # fmt: skip

@@ -9,8 +9,16 @@ from __future__ import annotations
 
 from .command import CommandResult, SlurmCommandMissing, binary, run_slurm
 from .env import SlurmEnv
-from .job import JobInfo, parse_duration, parse_show_job, parse_time, show_job
-from .requeue import RequeueResult, requeue
+from .job import (
+    JobInfo,
+    hostnames,
+    parse_duration,
+    parse_show_job,
+    parse_time,
+    partition_nodes,
+    show_job,
+)
+from .requeue import RequeueResult, requeue, update_pending
 
 __all__ = [
     "CommandResult",
@@ -19,10 +27,13 @@ __all__ = [
     "SlurmCommandMissing",
     "SlurmEnv",
     "binary",
+    "hostnames",
     "parse_duration",
     "parse_show_job",
     "parse_time",
+    "partition_nodes",
     "requeue",
     "run_slurm",
     "show_job",
+    "update_pending",
 ]

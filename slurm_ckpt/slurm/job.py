@@ -166,3 +166,24 @@ def _show_job_pyslurm(job_id: str) -> JobInfo | None:
         )
     except Exception:  # any pyslurm trouble means: use scontrol
         return None
+
+
+def hostnames(expr: str, *, timeout: float = 10.0) -> tuple[str, ...]:
+    """``node[1-3],gpu7`` -> ``("node1", "node2", "node3", "gpu7")`` (``scontrol show hostnames``)."""
+    if expr.strip() in _NONE:
+        return ()
+    res = run_slurm("scontrol", "show", "hostnames", expr, timeout=timeout)
+    if not res.ok:
+        raise SlurmError(f"cannot expand node list {expr!r}: {res.describe()}")
+    return tuple(res.stdout.split())
+
+
+def partition_nodes(name: str, *, timeout: float = 10.0) -> int:
+    """TotalNodes of partition ``name`` (0 when Slurm does not say)."""
+    res = run_slurm("scontrol", "show", "partition", "-o", name, timeout=timeout)
+    if not res.ok:
+        raise SlurmError(f"cannot read partition {name!r}: {res.describe()}")
+    try:
+        return int(parse_show_job(res.stdout).get("TotalNodes", "0"))
+    except ValueError:
+        return 0

@@ -25,7 +25,7 @@ from typing import Any
 from ..errors import SlurmError
 from .command import SlurmCommandMissing, run_slurm
 
-__all__ = ["RequeueResult", "requeue"]
+__all__ = ["RequeueResult", "requeue", "update_pending"]
 
 log = logging.getLogger("slurm_ckpt")
 
@@ -102,3 +102,18 @@ def _requeue_pyslurm(job_id: str) -> RequeueResult | None:
         log.warning("pyslurm requeue of %s failed (%s); trying scontrol", job_id, e)
         return None
     return RequeueResult(job_id, "pyslurm")
+
+
+def update_pending(job_id: str, fields: dict[str, str], *, timeout: float = 10.0) -> None:
+    """``scontrol update JobId=<id> Key=Value…`` on a job that is pending again.
+
+    Slurm 22.05 refuses ``ExcNodeList`` and ``NumNodes`` on a running job ("Job
+    is no longer pending execution") and takes them once ``scontrol requeue``
+    has made it pending (measured: a requeued two-node job given
+    ``ExcNodeList=node1 NumNodes=1 NumTasks=1`` then ran on one other node).
+    """
+    out = run_slurm("scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items()),
+                    timeout=timeout)  # fmt: skip
+    if not out.ok:
+        raise SlurmError(f"cannot update job {job_id} ({' '.join(f'{k}={v}' for k, v in fields.items())}): "
+                         f"{out.describe()}")  # fmt: skip

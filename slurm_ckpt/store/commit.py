@@ -23,7 +23,13 @@ from typing import Any, Literal
 
 from ..errors import StorageError, storage_error
 from .bounded import check_live
-from .fsutil import exchange_or_replace_dir, fsync_file, remove_tree, write_file_durably
+from .fsutil import (
+    empty_dir,
+    exchange_or_replace_dir,
+    fsync_file,
+    remove_tree_at,
+    write_file_durably,
+)
 from .layout import step_dir, tmp_dir_for
 from .manifest import MANIFEST, Manifest
 from .tensorfile import FileRecord
@@ -113,7 +119,12 @@ def _commit(parent: Path, parent_fd: int, step: int, write: WriteFn, tmp: Path, 
         tmp_fd = _open_dir(tmp.name, on_dev, dir_fd=parent_fd, shown=tmp)
     except BaseException:
         if fresh:
-            remove_tree(tmp)
+            # What is at the name now (a link put there) goes; a dir is removed only if empty.
+            with contextlib.suppress(OSError):
+                if stat.S_ISDIR(os.stat(tmp.name, dir_fd=parent_fd, follow_symlinks=False).st_mode):
+                    os.rmdir(tmp.name, dir_fd=parent_fd)
+                else:
+                    os.unlink(tmp.name, dir_fd=parent_fd)
         raise
     try:
         return _commit_in(parent, parent_fd, step, write, tmp, tmp_fd, final, if_exists, fresh, on_dev, meta)
@@ -141,10 +152,13 @@ def _commit_in(parent: Path, parent_fd: int, step: int, write: WriteFn, tmp: Pat
         # 4. fsync the temp dir so its entries (the files just created) survive a crash.
         fsync_file(tmp_fd, tmp)
         check_live()
-        # 5. Atomic rename: the checkpoint appears whole or not at all.
+        # 5. Atomic rename: the checkpoint appears whole or not at all. Not if our temp
+        # dir was renamed away: the rename would move whatever is at its name now.
+        if not _is_at(parent_fd, tmp.name, tmp_fd):
+            raise _not_committed(final)
         if if_exists == "keep":
             if not _rename_unless_there(parent_fd, tmp, final):
-                remove_tree(tmp)  # committed already, by an earlier attempt: keep that one
+                _discard(parent_fd, tmp, tmp_fd, final)  # committed already, by an earlier attempt: keep that one
                 return final
             old = None
         else:
@@ -154,10 +168,10 @@ def _commit_in(parent: Path, parent_fd: int, step: int, write: WriteFn, tmp: Pat
         fsync_file(parent_fd, parent)
     except BaseException:
         if fresh:
-            remove_tree(tmp)
+            _discard(parent_fd, tmp, tmp_fd, final)
         raise
     if old is not None:
-        remove_tree(parent / old)
+        remove_tree_at(parent_fd, old.name)
     log.info("committed %s", final)
     return final
 
@@ -179,18 +193,46 @@ def _open_dir(path: str | Path, on_dev: int | None, *, dir_fd: int | None = None
     return fd
 
 
+def _is_at(parent_fd: int, name: str, tmp_fd: int) -> bool:
+    """Whether ``name`` in ``parent_fd`` is still our temp dir (not renamed away, nothing put in its place)."""
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    ours = os.fstat(tmp_fd)
+    return (st.st_dev, st.st_ino) == (ours.st_dev, ours.st_ino)
+
+
+def _discard(parent_fd: int, tmp: Path, tmp_fd: int, final: Path) -> None:
+    """Remove a fresh temp dir after a failed commit, wherever another process renamed it.
+
+    It is emptied through its own fd, which follows it; its name is removed only while
+    it is still ours, and only empty (rmdir): a link or dir put at the name is not ours.
+    Renamed to ``final`` already (the parent's fsync failed), it is left there.
+    """
+    if _is_at(parent_fd, final.name, tmp_fd):
+        return
+    empty_dir(tmp_fd)
+    if _is_at(parent_fd, tmp.name, tmp_fd):
+        with contextlib.suppress(OSError):
+            os.rmdir(tmp.name, dir_fd=parent_fd)
+
+
+def _not_committed(final: Path) -> StorageError:
+    return StorageError(errno.ESTALE, "checkpoint not committed", final,
+                        hint="its temp dir was renamed and something else put in its place (by another process "
+                        "or node); write each run dir from one job at a time")  # fmt: skip
+
+
 def _check_renamed(parent_fd: int, tmp_fd: int, final: Path) -> None:
     """Make sure the rename moved our temp dir, not what another process put at its name."""
-    st, ours = os.stat(final.name, dir_fd=parent_fd, follow_symlinks=False), os.fstat(tmp_fd)
-    if (st.st_dev, st.st_ino) == (ours.st_dev, ours.st_ino):
+    if _is_at(parent_fd, final.name, tmp_fd):
         return
-    if not stat.S_ISDIR(st.st_mode):
-        # A link renamed into the checkpoint's name by us: take it back out.
-        with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):
+        if not stat.S_ISDIR(os.stat(final.name, dir_fd=parent_fd, follow_symlinks=False).st_mode):
+            # A link renamed into the checkpoint's name by us: take it back out.
             os.unlink(final.name, dir_fd=parent_fd)
-    raise StorageError(errno.ESTALE, "checkpoint not committed", final,
-                       hint="its temp dir was renamed and something else put in its place (by another process "
-                       "or node); write each run dir from one job at a time")  # fmt: skip
+    raise _not_committed(final)
 
 
 def _rename_unless_there(parent_fd: int, tmp: Path, final: Path) -> bool:

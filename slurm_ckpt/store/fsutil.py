@@ -18,6 +18,7 @@ from pathlib import Path
 from ..errors import storage_error
 
 __all__ = [
+    "empty_dir",
     "exchange_or_replace_dir",
     "fsync_dir",
     "fsync_file",
@@ -25,6 +26,7 @@ __all__ = [
     "preallocate",
     "read_small",
     "remove_tree",
+    "remove_tree_at",
     "write_file_durably",
 ]
 
@@ -190,3 +192,39 @@ def remove_tree(path: Path) -> None:
             os.unlink(path)
         return
     shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_tree_at(dir_fd: int, name: str) -> None:
+    """Delete ``name`` in the dir open at ``dir_fd`` (a tree, a file or a link), following no link.
+
+    Only names relative to held fds are used, so a dir above that someone renames
+    or swaps for a link meanwhile cannot redirect the removal. Errors are ignored.
+    """
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dir_fd)
+        return
+    try:
+        empty_dir(fd)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(name, dir_fd=dir_fd)
+
+
+def empty_dir(fd: int) -> None:
+    """Delete everything in the dir open at ``fd``, wherever it was renamed to; errors are ignored."""
+    try:
+        with os.scandir(fd) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+    except OSError:
+        return
+    for name, is_dir in entries:
+        if is_dir:
+            remove_tree_at(fd, name)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=fd)

@@ -60,6 +60,30 @@ What it does, in order:
    the command's own code (128+N if it died of signal N, 137 if killed at
    the deadline).
 
+Hang watchdog (``--hang-timeout S``, ``wrapper.hang_timeout``; off by default).
+The command starts with ``SLURM_CKPT_PROGRESS`` set, and the library's ranks
+send a heartbeat with their last step (``Checkpointer.maybe_save`` or
+``progress``) and where their main thread is (see ``watchdog``). When no rank
+of this node has reached a new step for S seconds (a rank inside a save or a
+load counts as progressing):
+
+* the wrapper ends its ranks at once, with no checkpoint request: a rank stuck
+  in a collective cannot save, and the newest committed checkpoint stays what
+  the job resumes from;
+* it writes the node's report to ``<run dir>/.watchdog/job_<id>.<restarts>/``;
+* global rank 0's wrapper gathers the reports of the job's nodes (for up to S
+  more seconds), and ``policy.decide_hang`` blames a node: one whose rank
+  stopped in its own code while the others waited in a collective, else one
+  behind the others' step, else one that never reported (its wrapper is gone);
+* rank 0 requeues the job, then sets ``ExcNodeList`` (earlier exclusions kept)
+  and, when the partition has fewer nodes left than the job asks, ``NumNodes``
+  and ``NumTasks``; it drops the node from a ``ReqNodeList`` (``sbatch -w``),
+  which would otherwise keep the job pending with Reason=BadConstraints (Slurm
+  22.05 takes these fields only once the job is pending again).
+
+A hang exits ``HANG_EXIT`` (124) where nothing is requeued, 0 after a requeue.
+A command that never reports progress is never taken for hung.
+
 Log lines (stderr, see ``events``), ``slurm-ckpt run: event=NAME key=value…``:
 ``start`` (run, rank, job, restarts, max_requeues, baseline, dir), ``child-start``
 (pid), ``preempt-after``, ``signal`` (signal, action=request|cancel|ignored…|
@@ -67,9 +91,11 @@ tighten-deadline), ``request`` (deadline_in, end_time, job_state), ``forward``
 (pids), ``ready`` (pid), ``committed`` (step, path), ``deadline``, ``teardown``
 (terminated, killed, stragglers), ``child-exit`` (code, killed), ``requeue``
 (job, via, already), ``no-requeue`` (reason, msg), ``restart`` (run),
-``exit`` (code). Every line after the first request carries ``t``, seconds
+``hang`` (node, timeout, ranks as pid:step:where:idle), ``hang-decision``
+(reason, bad, exclude, reported, nodes, msg), ``exit`` (code). Every line after the first request carries ``t``, seconds
 since that request. ``no-requeue`` reasons: crashed, not-requested,
-not-rank-0, cancelled, max-requeues, no-progress, requeue-failed, no-scontrol.
+not-rank-0, cancelled, max-requeues, no-progress, requeue-failed, no-scontrol;
+after a hang: hang-unlocated, not-rank-0, max-requeues, no-nodes-left, local.
 """
 
 from __future__ import annotations
@@ -77,6 +103,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -86,23 +113,27 @@ from ..config import Config, WrapperConfig, job_dir_name
 from ..control import parse_signal
 from ..errors import ConfigError, SlurmError
 from ..node.cgroup import join_io_cgroup
-from ..protocol import CONTROL_ENV, SIGNAL_ENV
+from ..protocol import CONTROL_ENV, PROGRESS_ENV, SIGNAL_ENV
 from ..slurm import SlurmCommandMissing, SlurmEnv
 from ..store import find_latest
 from ..store.layout import fast_dir
 from .backend import JobBackend, LocalJob, SlurmJob
 from .channel import ControlServer
 from .events import Events
-from .policy import Decision, RunFacts, decide_requeue
+from .policy import Decision, HangDecision, HangFacts, RunFacts, decide_hang, decide_requeue
 from .proctree import become_subreaper
 from .supervisor import RunResult, SignalTrap, Supervisor, Timing
+from .watchdog import Watchdog, gather, heartbeat_interval, report_dir, write_report
 
-__all__ = ["Decision", "RunFacts", "decide_requeue", "run_wrapper"]
+__all__ = ["HANG_EXIT", "Decision", "HangDecision", "HangFacts", "RunFacts", "decide_hang", "decide_requeue",
+           "run_wrapper"]  # fmt: skip
 
 log = logging.getLogger("slurm_ckpt")
 
 REQUEUE_BUDGET = 30.0
 """Seconds the requeue RPC may take, retries included."""
+HANG_EXIT = 124
+"""The wrapper's exit status after a hang that it did not requeue (as timeout(1))."""
 
 
 def run_wrapper(
@@ -129,6 +160,9 @@ def run_wrapper(
     timing = Timing(margin=w.margin, kill_wait=w.kill_wait, wait=w.wait)
     rank = 0 if local else slurm.procid
     restarts = 0 if local else slurm.restart_count
+    node = slurm.node or socket.gethostname().split(".")[0]
+    if w.hang_timeout:
+        child_env[PROGRESS_ENV] = f"{heartbeat_interval(w.hang_timeout):g}"
     become_subreaper()
     # The prolog's per-job I/O cgroup (v1 blkio): joined before the child starts,
     # so the trainer and every worker it forks inherit the job's I/O limits.
@@ -144,8 +178,14 @@ def run_wrapper(
                         restarts=restarts, max_requeues=w.max_requeues,
                         baseline=baseline, dir=str(ckpt_dir))  # fmt: skip
             after = preempt_after[run_no - 1] if run_no <= len(preempt_after) else None
-            res = Supervisor(argv, child_env, sig=sig, job=job, timing=timing, trap=trap,
-                             server=server, events=events, preempt_after=after).run()  # fmt: skip
+            watchdog = Watchdog(w.hang_timeout) if w.hang_timeout else None
+            res = Supervisor(argv, child_env, sig=sig, job=job, timing=timing, trap=trap, server=server,
+                             events=events, preempt_after=after, watchdog=watchdog, node=node).run()  # fmt: skip
+            if res.hang is not None:
+                if isinstance(job, SlurmJob):
+                    return _exit(events, _after_hang(res, job, child_env, rank, restarts, w, ckpt_dir, events))
+                events.emit("no-requeue", reason="local", msg="a hang outside Slurm ends the run")
+                return _exit(events, HANG_EXIT)
             decision = _decide(res, job, rank, restarts, w.max_requeues, baseline, dirs)
             if decision.reason == "already-requeued":
                 events.emit("requeue", via="slurm", already=True, msg=decision.detail)
@@ -206,6 +246,57 @@ def _requeue(job: JobBackend, res: RunResult, events: Events, w: WrapperConfig) 
         events.emit("no-requeue", reason="requeue-failed", msg=str(e))
         return res.code
     events.emit("requeue", job=out.job_id, via=out.via, already=out.already, attempts=out.attempts)
+    return 0
+
+
+def _after_hang(
+    res: RunResult, job: SlurmJob, env: dict[str, str], rank: int, restarts: int, w: WrapperConfig,
+    ckpt_dir: Path, events: Events,
+) -> int:  # fmt: skip
+    """Report this node's stall; on global rank 0, gather the nodes' reports, decide, requeue."""
+    assert res.hang is not None
+    where = report_dir(ckpt_dir, job.env.job_id, restarts)
+    try:
+        write_report(where, res.hang)
+    except OSError as e:
+        events.emit("hang-report", msg=f"cannot write the node's report in {where}: {e}")
+    if rank != 0:
+        events.emit("no-requeue", reason="not-rank-0", msg="after a hang, global rank 0 decides and requeues")
+        return HANG_EXIT
+    try:
+        nodes = job.nodes(env)
+    except SlurmError as e:
+        events.emit("no-requeue", reason="requeue-failed", msg=str(e))
+        return HANG_EXIT
+    reports = gather(where, nodes, time.monotonic() + w.hang_timeout)
+    info = job.job_info()
+    try:
+        placement = job.placement(info)
+    except SlurmError as e:
+        log.warning("cannot read the job's node placement: %s", e)
+        placement = {}
+    d = decide_hang(HangFacts(timeout=w.hang_timeout, nodes=nodes, reports=reports, rank=rank,
+                              restarts=restarts, max_requeues=w.max_requeues, **placement))  # fmt: skip
+    events.emit("hang-decision", reason=d.reason, bad=",".join(d.bad) or None, exclude=",".join(d.exclude) or None,
+                reported=len(reports), nodes=len(nodes), msg=d.detail)  # fmt: skip
+    if not d.requeue:
+        events.emit("no-requeue", reason=d.reason, msg=d.detail)
+        return HANG_EXIT
+    try:
+        out = job.requeue(REQUEUE_BUDGET)
+        fields = {"ExcNodeList": ",".join(d.exclude)}
+        if d.required is not None:
+            fields["ReqNodeList"] = ",".join(d.required)  # empty clears it
+        if d.num_nodes is not None:
+            fields["NumNodes"] = str(d.num_nodes)
+        if d.num_tasks is not None:
+            fields["NumTasks"] = str(d.num_tasks)
+        job.exclude(fields)
+    except SlurmError as e:
+        events.emit("no-requeue", reason="requeue-failed", msg=str(e))
+        return HANG_EXIT
+    events.emit("requeue", job=out.job_id, via=out.via, already=out.already, attempts=out.attempts,
+                exclude=fields["ExcNodeList"], num_nodes=d.num_nodes, num_tasks=d.num_tasks)  # fmt: skip
     return 0
 
 

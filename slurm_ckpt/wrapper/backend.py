@@ -8,10 +8,19 @@ to requeue. Locally there is no scheduler: no end time, no state, and the
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..errors import SlurmError
-from ..slurm import JobInfo, RequeueResult, SlurmEnv, requeue, show_job
+from ..slurm import (
+    JobInfo,
+    RequeueResult,
+    SlurmEnv,
+    hostnames,
+    partition_nodes,
+    requeue,
+    show_job,
+    update_pending,
+)
 
 __all__ = ["JobBackend", "LocalJob", "SlurmJob"]
 
@@ -44,6 +53,32 @@ class SlurmJob:
 
     def requeue(self, budget: float) -> RequeueResult:
         return requeue(self.env.requeue_id, numeric_id=self.env.job_id, budget=budget)
+
+    def nodes(self, env: dict[str, str]) -> tuple[str, ...]:
+        """The job's nodes, from ``SLURM_JOB_NODELIST`` (raises SlurmError)."""
+        return hostnames(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or self.env.node)
+
+    def placement(self, info: JobInfo | None) -> dict[str, Any]:
+        """The job's placement as :class:`~.policy.HangFacts` fields: ExcNodeList,
+        ReqNodeList, the partition's node count, NumNodes and NumTasks (0 where unknown)."""
+        f = (info.fields if info is not None else None) or {}
+        return {
+            "excluded": hostnames(f.get("ExcNodeList", "")),
+            "required": hostnames(f.get("ReqNodeList", "")),
+            "partition_nodes": partition_nodes(f["Partition"]) if f.get("Partition") else 0,
+            "num_nodes": _leading_int(f.get("NumNodes", "")),
+            "num_tasks": _leading_int(f.get("NumTasks", "")),
+        }
+
+    def exclude(self, fields: dict[str, str]) -> None:
+        """Set ``fields`` (ExcNodeList, ReqNodeList, NumNodes, NumTasks) on the job requeued a moment ago."""
+        update_pending(self.env.requeue_id, fields)
+
+
+def _leading_int(text: str) -> int:
+    """``2`` from ``2`` or ``2-2`` (a pending job's node range); 0 if none."""
+    digits = text.split("-")[0]
+    return int(digits) if digits.isdigit() else 0
 
 
 class LocalJob:

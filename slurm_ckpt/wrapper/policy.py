@@ -1,17 +1,30 @@
-"""When the wrapper requeues, and when it must not: one pure function.
+"""When the wrapper requeues, and when it must not: pure functions.
 
 Kept free of Slurm, signals and processes so every guard is tested directly:
 the wrapper gathers the facts of a run (:class:`RunFacts`), and
-:func:`decide_requeue` alone decides from them.
+:func:`decide_requeue` alone decides from them; after a hang, the nodes'
+reports (:class:`HangFacts`) go to :func:`decide_hang`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..slurm import JobInfo
 
-__all__ = ["CANCELLED_STATES", "Decision", "RunFacts", "cancel_reason", "decide_requeue"]
+__all__ = [
+    "CANCELLED_STATES",
+    "Decision",
+    "HangDecision",
+    "HangFacts",
+    "NodeReport",
+    "RankProgress",
+    "RunFacts",
+    "cancel_reason",
+    "decide_hang",
+    "decide_requeue",
+]
 
 # Slurm 22.05's CLI shows COMPLETING while a job's processes are being ended,
 # hiding whether it was CANCELLED, TIMEOUT or PREEMPTED underneath (measured:
@@ -128,3 +141,133 @@ def decide_requeue(f: RunFacts) -> Decision:
             "requeueing would loop without progress",
         )  # fmt: skip
     return Decision(True, "requeue", f"checkpoint step {f.new_step} committed during this run")
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """One rank's last heartbeat, as its node's wrapper saw it when the node stalled."""
+
+    pid: int
+    step: int
+    where: str
+    """``compute``, ``collective`` or ``checkpoint`` (``protocol.WHERE``)."""
+    idle: float
+    """Seconds since its step last changed."""
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """A stalled node's ranks, written by that node's wrapper for rank 0's."""
+
+    node: str
+    ranks: tuple[RankProgress, ...]
+
+    @property
+    def step(self) -> int:
+        return max((r.step for r in self.ranks), default=-1)
+
+
+@dataclass(frozen=True)
+class HangFacts:
+    """What rank 0's wrapper knows once its node made no step progress for ``timeout`` seconds."""
+
+    timeout: float
+    nodes: tuple[str, ...]
+    """The job's nodes."""
+    reports: Mapping[str, NodeReport]
+    """The stalled nodes' reports, by node; a node missing here did not report in time."""
+    rank: int = 0
+    restarts: int = 0
+    max_requeues: int = 10
+    excluded: tuple[str, ...] = ()
+    """Nodes already in the job's ExcNodeList."""
+    required: tuple[str, ...] = ()
+    """The job's ReqNodeList (``sbatch -w``)."""
+    partition_nodes: int = 0
+    """Nodes in the job's partition (0: unknown, so no shrinking)."""
+    num_nodes: int = 0
+    num_tasks: int = 0
+
+
+@dataclass(frozen=True)
+class HangDecision:
+    requeue: bool
+    reason: str
+    """Short stable token: "requeue", "hang-unlocated", "not-rank-0", "max-requeues", "no-nodes-left"."""
+    detail: str
+    bad: tuple[str, ...] = ()
+    """The nodes blamed for the hang."""
+    exclude: tuple[str, ...] = ()
+    """The job's ExcNodeList after the requeue (earlier exclusions kept)."""
+    num_nodes: int | None = None
+    """NumNodes to set on the requeued job when fewer nodes are left than it asks; None: unchanged."""
+    num_tasks: int | None = None
+    required: tuple[str, ...] | None = None
+    """ReqNodeList to set, without the excluded nodes (a job that requires an excluded node
+    never starts: Reason=BadConstraints); None: unchanged."""
+
+
+def _blame(f: HangFacts) -> tuple[tuple[str, ...], str]:
+    """The nodes that held the job up, and why; ``()`` when none can be told apart.
+
+    In order: a node with a rank stuck in its own code while others wait in a
+    collective; else a node whose ranks are behind the others' step (stuck in
+    another collective); else a node that never reported (its wrapper is gone:
+    a dead node).
+    """
+    reports = [f.reports[n] for n in f.nodes if n in f.reports]
+    stuck = tuple(r.node for r in reports if any(p.where == "compute" for p in r.ranks))
+    waiting = [r for r in reports if r.node not in stuck]
+    if stuck and (waiting or len(f.nodes) == 1):
+        return stuck, "a rank stopped in its own code while the others waited in a collective"
+    if reports and not stuck:
+        top = max(r.step for r in reports)
+        behind = tuple(r.node for r in reports if r.step < top)
+        if behind:
+            return behind, f"its ranks stopped before step {top}, which the others reached"
+    silent = tuple(n for n in f.nodes if n not in f.reports)
+    if silent and reports and not stuck:
+        return silent, "its wrapper never reported while every other rank waited in a collective"
+    return (), ""
+
+
+def decide_hang(f: HangFacts) -> HangDecision:
+    """After no step progress for ``timeout`` seconds: which node to blame, and whether
+    global rank 0 requeues the job without it (``ExcNodeList``), on fewer nodes if
+    the partition has too few left.
+
+    No checkpoint is asked for: a rank stuck in a collective cannot save, and the
+    newest committed checkpoint is what the requeued job resumes from.
+    """
+    bad, why = _blame(f)
+    if not bad:
+        seen = ", ".join(f"{r.node}: step {r.step} ({'/'.join(sorted({p.where for p in r.ranks}))})"
+                         for r in f.reports.values()) or "no node reported"  # fmt: skip
+        return HangDecision(False, "hang-unlocated",
+                            f"no step progress for {f.timeout:.0f}s, but no node stands out ({seen}); "
+                            "not requeueing onto the same nodes")  # fmt: skip
+    blamed = f"no step progress for {f.timeout:.0f}s; blaming {','.join(bad)}: {why}"
+    if f.rank != 0:
+        return HangDecision(False, "not-rank-0", f"{blamed}; global rank 0 requeues", bad=bad)
+    if f.restarts >= f.max_requeues:
+        return HangDecision(False, "max-requeues",
+                            f"{blamed}; requeue limit reached (--max-requeues {f.max_requeues})", bad=bad)  # fmt: skip
+    exclude = tuple(sorted({*f.excluded, *bad}))
+    num_nodes = num_tasks = None
+    if f.partition_nodes:
+        left = f.partition_nodes - len(exclude)
+        if left < 1:
+            return HangDecision(False, "no-nodes-left",
+                                f"{blamed}; no node of the partition is left once {','.join(exclude)} "
+                                "are excluded", bad=bad, exclude=exclude)  # fmt: skip
+        if f.num_nodes > left:
+            num_nodes = left
+            if f.num_tasks and f.num_tasks % f.num_nodes == 0:
+                num_tasks = f.num_tasks // f.num_nodes * left
+    required = None
+    if set(f.required) & set(exclude):
+        required = tuple(n for n in f.required if n not in exclude)
+    shrink = "" if num_nodes is None else f", on {num_nodes} node(s)"
+    return HangDecision(True, "requeue", f"{blamed}; requeueing without {','.join(exclude)}{shrink}",
+                        bad=bad, exclude=exclude, num_nodes=num_nodes, num_tasks=num_tasks,
+                        required=required)  # fmt: skip

@@ -2,7 +2,7 @@
 
 The loop sleeps in ``select`` on two fds: the signal wakeup socket (every
 trapped signal, SIGCHLD included, writes to it) and the control socket. Timers
-(``--preempt-after``, the deadline) are the select timeout.
+(``--preempt-after``, the deadline, the hang watchdog's) are the select timeout.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from types import FrameType
 
 from .. import startsignals
-from ..protocol import COMMITTED, READY, Message
+from ..protocol import COMMITTED, PROGRESS, READY, Message
 from ..slurm import JobInfo
 from .backend import JobBackend
 from .channel import ControlServer
 from .events import Events
-from .policy import cancel_reason
+from .policy import NodeReport, cancel_reason
 from .proctree import descendants, kill_tree, reap, start_child
+from .watchdog import Watchdog
 
 __all__ = ["RunResult", "SignalTrap", "Supervisor", "Timing"]
 
@@ -67,6 +68,8 @@ class RunResult:
     """The child's raw wait status; None if it had to be killed at the deadline."""
     killed_at_deadline: bool = False
     stragglers: int = 0
+    hang: NodeReport | None = None
+    """This node's ranks when the watchdog found no step progress for hang_timeout (then ended)."""
 
     @property
     def code(self) -> int:
@@ -133,10 +136,13 @@ class Supervisor:
         server: ControlServer,
         events: Events,
         preempt_after: float | None = None,
+        watchdog: Watchdog | None = None,
+        node: str = "",
     ) -> None:
         self.argv, self.env, self.sig, self.job = argv, env, sig, job
         self.timing, self.trap, self.server, self.events = timing, trap, server, events
         self.preempt_after = preempt_after
+        self.watchdog, self.node = watchdog, node
         self.res = RunResult()
         self.ready: set[int] = set()
         self.deadline: float | None = None
@@ -157,9 +163,17 @@ class Supervisor:
                 self.events.emit("deadline", committed=self.res.committed_step is not None,
                                  msg="the command did not exit before the deadline; ending it")  # fmt: skip
                 break
+            stalled = None if self.watchdog is None else self.watchdog.deadline
+            if stalled is not None and now >= stalled and self.res.hang is None:
+                assert self.watchdog is not None
+                self.res.hang = self.watchdog.report(self.node, now)
+                self.events.emit("hang", node=self.node, timeout=self.watchdog.timeout,
+                                 ranks=" ".join(f"{r.pid}:{r.step}:{r.where}:{r.idle:.1f}" for r in self.res.hang.ranks),
+                                 msg="no step progress on this node; ending its ranks without a checkpoint")  # fmt: skip
+                break
             # The 1 s cap is a safety net only: a Python-level handler can run
             # just after take() drained its wakeup byte; events normally wake us.
-            timers = [t - now for t in (preempt_at, self.deadline) if t is not None]
+            timers = [t - now for t in (preempt_at, self.deadline, stalled) if t is not None]
             timeout = max(min([*timers, 1.0]), 0)
             with contextlib.suppress(InterruptedError):
                 select.select([self.trap.fileno(), self.server.fileno()], [], [], timeout)
@@ -168,7 +182,9 @@ class Supervisor:
             for msg in self.server.receive():
                 self._on_message(msg)
             reap(self._on_exit)
-        down = kill_tree(os.getpid(), on_exit=self._on_exit)
+        # After a hang no rank gets a grace period: one stuck in a collective cannot
+        # save, and the newest committed checkpoint is what the job resumes from.
+        down = kill_tree(os.getpid(), on_exit=self._on_exit, grace=0.0 if self.res.hang else 1.0)
         if down.terminated or down.killed or down.stragglers:
             self.events.emit(
                 "teardown", terminated=len(down.terminated), killed=len(down.killed),
@@ -181,6 +197,8 @@ class Supervisor:
         return self.res
 
     def _on_exit(self, pid: int, status: int) -> None:
+        if self.watchdog is not None:
+            self.watchdog.forget(pid)
         if pid == self.child.pid:
             self.res.status = status
             self.child.returncode = os.waitstatus_to_exitcode(status)
@@ -238,6 +256,8 @@ class Supervisor:
             if self.res.committed_step is None or msg.step >= self.res.committed_step:
                 self.res.committed_step, self.res.committed_path = msg.step, msg.path
             self.events.emit("committed", step=msg.step, path=msg.path)
+        elif msg.kind == PROGRESS and self.watchdog is not None and msg.pid in self.ready:
+            self.watchdog.beat(msg, time.monotonic())
 
 
 

@@ -11,16 +11,20 @@ returns both runs' records for the test to compare bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import signal
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -54,6 +58,41 @@ class Cell:
     logger: bool = True
     tensorboard: bool = False  # TensorBoardLogger in place of CSVLogger
     val: bool = True
+    min_epochs: int | None = None
+    min_steps: int | None = None
+    log_every_n_steps: int = 1
+    epoch_metrics: bool = False  # the training loss also logged with on_epoch=True
+    val_check_seconds: float | None = None  # a time-based val_check_interval, on a clock each batch moves 1 s
+    limit_train_batches: int | None = None
+    val_loaders: int = 1
+    rank_seed: bool = False  # each rank seeds its generators with its own seed
+    plateau: bool = False  # ReduceLROnPlateau each step on the training loss, in place of StepLR
+    early_stopping: bool = False  # EarlyStopping on the validation loss
+    reload_dataloaders: int = 0  # reload_dataloaders_every_n_epochs
+
+
+class Clock:
+    """A monotonic clock that only training moves: one second a training batch."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@contextlib.contextmanager
+def _clock(cell: Cell) -> Iterator[Clock | None]:
+    """Lightning's time-based validation reads ``time.monotonic``: a clock that makes it reproducible."""
+    if cell.val_check_seconds is None:
+        yield None
+        return
+    clock, real = Clock(), time.monotonic
+    time.monotonic = clock
+    try:
+        yield clock
+    finally:
+        time.monotonic = real
 
 
 class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
@@ -72,10 +111,11 @@ class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
 class Model(LightningModule):
     """An MLP with dropout, AdamW and a scheduler; logs its losses as users do."""
 
-    def __init__(self, cell: Cell, record: list[Any]) -> None:
+    def __init__(self, cell: Cell, record: list[Any], clock: Clock | None = None) -> None:
         super().__init__()
         self.cell = cell
         self.record = record
+        self.clock = clock
         self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3),
                                        torch.nn.Linear(16, 1))  # fmt: skip
 
@@ -84,14 +124,16 @@ class Model(LightningModule):
         loss = torch.nn.functional.mse_loss(self.net(x).squeeze(1), y)
         lr = self.trainer.optimizers[0].param_groups[0]["lr"]
         self.record.append(("batch", self.current_epoch, batch_idx, idx.tolist(), loss.item().hex(), float(lr).hex()))
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, on_epoch=self.cell.epoch_metrics)
+        if self.clock is not None:
+            self.clock.now += 1.0
         return loss
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         x, y, _ = batch
         loss = torch.nn.functional.mse_loss(self.net(x).squeeze(1), y)
         if not self.trainer.sanity_checking:
-            self.record.append(("val", self.global_step, batch_idx, loss.item().hex()))
+            self.record.append(("val", self.global_step, dataloader_idx, batch_idx, loss.item().hex()))
         self.log("val_loss", loss)
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
@@ -99,6 +141,10 @@ class Model(LightningModule):
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        if self.cell.plateau:
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.7, patience=1)
+            return {"optimizer": opt,
+                    "lr_scheduler": {"scheduler": plateau, "interval": "step", "monitor": "train_loss"}}  # fmt: skip
         if self.cell.epoch_scheduler:
             sched: Any = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
@@ -144,7 +190,7 @@ class Outcome:
     versions: list[str] = field(default_factory=list)
 
 
-def _loaders() -> tuple[StatefulDataLoader[Any], StatefulDataLoader[Any]]:
+def _loaders(cell: Cell) -> tuple[StatefulDataLoader[Any], Any]:
     data = Indexed(N_TRAIN, 1)
     if torch.distributed.is_initialized():
         # What docs/lightning.md asks for under DDP: with shuffle=True Lightning wraps
@@ -153,8 +199,8 @@ def _loaders() -> tuple[StatefulDataLoader[Any], StatefulDataLoader[Any]]:
         train = StatefulDataLoader(data, batch_size=BATCH, sampler=sampler)
     else:
         train = StatefulDataLoader(data, batch_size=BATCH, shuffle=True)
-    val = StatefulDataLoader(Indexed(N_VAL, 2), batch_size=BATCH)
-    return train, val
+    val = [StatefulDataLoader(Indexed(N_VAL, 2 + i), batch_size=BATCH) for i in range(cell.val_loaders)]
+    return train, val[0] if cell.val_loaders == 1 else val
 
 
 def _checkpoint_callbacks(cell: Cell, root: Path) -> tuple[list[Callback], bool]:
@@ -173,17 +219,31 @@ def _checkpoint_callbacks(cell: Cell, root: Path) -> tuple[list[Callback], bool]
 
 def _fit(cell: Cell, root: Path, record: list[Any], extra: list[Callback], plugins: list[Any],
          ckpt_path: str | None, **kw: Any) -> Trainer:  # fmt: skip
-    seed_everything(0, verbose=False)  # what the script does at each start
-    model = Model(cell, record)
-    train, val = _loaders()
+    rank = int(os.environ.get("LOCAL_RANK", "0")) if cell.rank_seed else 0
+    seed_everything(rank, verbose=False)  # what the script does at each start
+    with _clock(cell) as clock:
+        return _fit_on(cell, root, Model(cell, record, clock), extra, plugins, ckpt_path, **kw)
+
+
+def _fit_on(cell: Cell, root: Path, model: Model, extra: list[Callback], plugins: list[Any],
+            ckpt_path: str | None, **kw: Any) -> Trainer:  # fmt: skip
+    train, val = _loaders(cell)
+    if cell.val_check_seconds is not None:
+        kw["val_check_interval"] = timedelta(seconds=cell.val_check_seconds)
+    if cell.limit_train_batches is not None:
+        kw["limit_train_batches"] = cell.limit_train_batches
+    if cell.early_stopping:
+        extra = [*extra, EarlyStopping(monitor="val_loss", patience=3, min_delta=0.05)]
     mc, enabled = _checkpoint_callbacks(cell, root)
     logger: Any = False
     if cell.logger:
         logger = (TensorBoardLogger if cell.tensorboard else CSVLogger)(root / "logs", name="m")
-    trainer = Trainer(max_steps=cell.max_steps, max_epochs=cell.max_epochs, val_check_interval=cell.val_check_interval,
-                      check_val_every_n_epoch=cell.check_val_every_n_epoch,
+    kw.setdefault("val_check_interval", cell.val_check_interval)
+    trainer = Trainer(max_steps=cell.max_steps, max_epochs=cell.max_epochs, min_steps=cell.min_steps,
+                      min_epochs=cell.min_epochs, check_val_every_n_epoch=cell.check_val_every_n_epoch,
                       accumulate_grad_batches=cell.accumulate, enable_checkpointing=enabled, logger=logger,
-                      log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+                      log_every_n_steps=cell.log_every_n_steps,
+                      reload_dataloaders_every_n_epochs=cell.reload_dataloaders, enable_progress_bar=False, enable_model_summary=False,
                       default_root_dir=root, callbacks=[*extra, *mc], plugins=plugins, **kw)  # fmt: skip
     trainer.fit(model, train, val if cell.val else None, ckpt_path=ckpt_path)
     return trainer
@@ -213,13 +273,25 @@ def _logged(root: Path) -> tuple[list[dict[str, str]], list[str]]:
 
 
 def _scalars(log_dir: Path) -> list[dict[str, str]]:
-    """What TensorBoard shows from a version directory (every event file in it): its scalars."""
+    """What TensorBoard shows from a version directory (every event file in it): its scalars.
+
+    The files are read one by one in the order they were made (their names end in a
+    time and a counter, which sort as text only while the counters have one digit).
+    """
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(log_dir))
-    acc.Reload()
-    return [{"tag": tag, "step": str(e.step), "value": float(e.value).hex()}
-            for tag in sorted(acc.Tags()["scalars"]) for e in acc.Scalars(tag)]  # fmt: skip
+    def made(p: Path) -> tuple[int, int]:
+        parts = p.name.split(".")
+        return int(parts[3]), int(parts[-1])
+
+    by_tag: dict[str, list[dict[str, str]]] = {}
+    for f in sorted(log_dir.glob("events.out.tfevents.*"), key=made):
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            by_tag.setdefault(tag, []).extend(
+                {"tag": tag, "step": str(e.step), "value": float(e.value).hex()} for e in acc.Scalars(tag))
+    return [row for tag in sorted(by_tag) for row in by_tag[tag]]
 
 
 def reference(cell: Cell, root: Path, **kw: Any) -> Outcome:

@@ -82,7 +82,7 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-@pytest.mark.parametrize("snapshot", ["overlap", "copy", "fork", "lazy"])
+@pytest.mark.parametrize("snapshot", ["overlap", "copy", "fork"])
 def test_kill9_of_the_trainer_mid_write_resumes_from_the_previous_checkpoint(
     fault_dir: Path, faultfs: Any, snapshot: str
 ) -> None:

@@ -122,11 +122,11 @@ def test_signal_checkpoints_at_the_next_batch_and_stops_fit(tmp_path: Path, io: 
     assert read_pointer(tmp_path / "preempted.ckpt") == Pointer(5, tmp_path / "run")
     assert f"committed 5 {tmp_path / 'run' / 'step-000000005'}" in control.read_text()
     state = io.load_checkpoint(str(tmp_path / "run" / "step-000000005"))
-    # Taken in on_train_batch_end, as Lightning's own mid-epoch checkpoints are: the
-    # batch is processed, and Lightning counts it completed on restoring.
+    # Taken once Lightning has finished the batch (logged it, stepped per-step plateau
+    # schedulers): the batch is completed, and Lightning resumes at the next one.
     progress = state["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
-    assert (progress["processed"], progress["completed"]) == (5, 4)
-    assert "rng" in state["callbacks"]["PreemptionCallback"]
+    assert (progress["processed"], progress["completed"]) == (5, 5)
+    assert ["rng" in r for r in state["callbacks"]["PreemptionCallback"]["ranks"]] == [True]
 
 
 def test_saves_after_the_stop_name_the_stop_checkpoint_instead_of_replacing_it(tmp_path: Path, io: SlurmCkptIO) -> None:

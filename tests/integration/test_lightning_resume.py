@@ -40,6 +40,8 @@ CELLS: dict[str, tuple[Cell, list[int | None]]] = {
         Cell(stops=(("train", 6), ("train", 14)), checkpoint="every_last", max_steps=24, logger=False), [6, 14]),
     "every-n-save-last-link/max-steps/mid-epoch": (
         Cell(stops=(("train", 6), ("train", 14)), checkpoint="every_link", max_steps=24, logger=False), [6, 14]),
+    "every-n-save-last/max-steps/on-a-save-step": (
+        Cell(stops=(("train", 8), ("train", 16)), checkpoint="every_last", max_steps=24, logger=False), [8, 16]),
     "top-k-monitor/val-check-interval/mid-epoch": (
         Cell(stops=(("train", 7), ("train", 13)), checkpoint="top_k", max_steps=24, val_check_interval=5,
              logger=False), [7, 13]),
@@ -81,6 +83,41 @@ CELLS: dict[str, tuple[Cell, list[int | None]]] = {
     "csv-logger/top-k-monitor/max-epochs/during-validation": (
         Cell(stops=(("val", 2), ("train", 17)), checkpoint="top_k", max_epochs=3, epoch_scheduler=True,
              val_check_interval=5), [6, 17]),
+    # min_epochs / min_steps: Lightning ignores should_stop until they are met
+    "min-epochs/max-epochs/mid-epoch": (
+        Cell(stops=(("train", 5), ("train", 14)), max_epochs=3, min_epochs=2, logger=False), [5, 14]),
+    "min-steps/max-steps/mid-epoch": (
+        Cell(stops=(("train", 5), ("train", 13)), max_steps=24, min_steps=20, logger=False), [5, 13]),
+    # A time-based val_check_interval (a timedelta), on a clock that training alone moves
+    "val-check-time/mid-epoch/batch-before-validation": (
+        Cell(stops=(("train", 5), ("train", 14)), max_steps=24, val_check_seconds=7, logger=False), [5, 15]),
+    # Logs: a step that is not a logging step (log_every_n_steps), epoch aggregates (on_epoch=True)
+    "csv-logger/log-every-5-steps/mid-epoch": (
+        Cell(stops=(("train", 7), ("train", 13)), max_steps=24, log_every_n_steps=5), [7, 13]),
+    "csv-logger/epoch-metrics/max-epochs/mid-epoch": (
+        Cell(stops=(("train", 4), ("train", 17)), max_epochs=3, epoch_metrics=True, log_every_n_steps=3),
+        [4, 17]),
+    "tensorboard-logger/epoch-metrics/val-check-interval/mid-epoch": (
+        Cell(stops=(("train", 3), ("train", 12)), max_epochs=2, val_check_interval=5, epoch_metrics=True,
+             tensorboard=True), [3, 12]),
+    # As Lightning's own resume tests: validation every other epoch, a limited epoch, several
+    # validation loaders, and an accumulation that does not divide the epoch
+    "check-val-every-2-epochs/last-batch-of-epoch": (
+        Cell(stops=(("train", 10), ("train", 20)), max_epochs=3, check_val_every_n_epoch=2, logger=False),
+        [11, 21]),
+    "limit-train-batches/last-batch-of-epoch": (
+        Cell(stops=(("train", 7), ("train", 12)), max_epochs=3, limit_train_batches=7, logger=False), [8, 12]),
+    "two-val-loaders/during-the-second": (
+        Cell(stops=(("val", 3),), max_steps=16, val_check_interval=5, val_loaders=2, logger=False), [6]),
+    "accumulate-3/epoch-not-a-multiple/last-batch-of-epoch": (
+        Cell(stops=(("train", 10), ("train", 14)), max_epochs=2, accumulate=3, logger=False, val=False), [5, 6]),
+    "plateau-scheduler-each-step/mid-epoch": (
+        Cell(stops=(("train", 5), ("train", 13)), max_steps=20, plateau=True, logger=False), [5, 13]),
+    "early-stopping/val-check-interval/mid-epoch": (
+        Cell(stops=(("train", 7), ("train", 17)), max_epochs=4, val_check_interval=5, early_stopping=True,
+             logger=False), [7, 17]),
+    "reload-dataloaders-each-epoch/last-batch-of-epoch": (
+        Cell(stops=(("train", 10), ("train", 15)), max_epochs=3, reload_dataloaders=1, logger=False), [11, 15]),
 }
 
 
@@ -128,6 +165,9 @@ DDP_CELLS: dict[str, tuple[Cell, list[int | None]]] = {
     "ddp/accumulate-2/val-check-interval/during-validation": (
         Cell(stops=(("train", 3), ("val", 1)), max_steps=10, accumulate=2, val_check_interval=4, logger=False),
         [4, 7]),
+    # Each rank seeded on its own (its own dropout): each resumes its own generators
+    "ddp/rank-seeds/epoch-metrics/csv-logger/mid-epoch": (
+        Cell(stops=(("train", 3),), max_steps=8, rank_seed=True, epoch_metrics=True), [3]),
 }
 
 

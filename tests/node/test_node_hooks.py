@@ -351,3 +351,55 @@ def test_each_loop_step_gets_its_share_of_one_deadline(loop_fs: Callable[..., Pa
     # Both end within the one deadline (the spy reads the clock a moment after each).
     assert t_mkfs <= 0.6 * 20 and at_mkfs + t_mkfs <= deadline.end + 0.01, seen
     assert at_mount + t_mount <= deadline.end + 0.01, seen
+
+
+def _shard(parent: Path, rank: int, world: int, step: int, save_id: str, owner: User) -> Path:
+    """A rank's shard as CrossNode commits it (own: ``ckpt/rank-K``; a peer's: ``ckpt/replicas/rank-K``)."""
+    from slurm_ckpt.store import RunDir
+    from slurm_ckpt.store import shards as shd
+    from slurm_ckpt.store.codec import encode_state
+    from slurm_ckpt.store.writer import write_state
+
+    enc = encode_state({"blob": os.urandom(4096), "rank": rank})
+    rd = RunDir(parent / shd.shard_name(rank))
+    try:
+        path = rd.commit(step, lambda tmp: write_state(tmp, enc), world_size=world, nbytes=enc.nbytes,
+                         extra=shd.shard_extra(rank, world, save_id))  # fmt: skip
+    finally:
+        rd.unlock()
+    sh("chown", "-R", f"{owner.uid}:{owner.gid}", str(parent))
+    return path
+
+
+def test_prolog_reserves_room_for_replicas_and_the_epilog_stages_them_as_own_shards(
+    pub_tmp: Path, scratch_base: Path, user: User
+) -> None:
+    base, root = scratch_base, pub_tmp / "shared"
+    owned_tree(root / user.name, user)
+    cfg = make_cfg(base, root)
+    env = user.env("111", SLURM_JOB_COMMENT="ckpt_scratch=8M ckpt_replicas=1")
+    report = run_prolog(env, cfg)
+    # Room for the node's own shards and one peer's replicas, and the ledger says which is which.
+    assert report is not None and report.size == 16 * MiB and report.replicas == 1
+    entry = ledger(base)["111"]
+    assert (entry["size"], entry["replicas"], entry["replica_bytes"]) == (16 * MiB, 1, 8 * MiB)
+    assert "export SLURM_CKPT_SCRATCH_REPLICAS=1" in lines_for(base, "111")
+    # This node kept rank 0's shard of step 4 and a replica of rank 1's (whose node is lost):
+    # together the whole save, which the drain never copied.
+    ckpt = base / "job_111" / "ckpt"
+    _shard(ckpt, 0, 2, 4, "ab" * 8, user)
+    _shard(ckpt / "replicas", 1, 2, 4, "ab" * 8, user)
+    res = run_epilog(env, cfg)
+    assert res is not None and res.status == "staged" and res.step == 4, res
+    man = verify_checkpoint(root / user.name / "job_111" / "step-000000004", full=True)
+    assert sorted(man.extra["shards"]) == ["rank-00000", "rank-00001"]
+    assert man.extra["shards"]["rank-00001"]["staged_from"].endswith("ckpt/replicas/rank-00001/step-000000004")
+    assert not (base / "job_111").exists() and "111" not in ledger(base)
+    # Without the token the site default holds (0 here): no room set aside, nothing exported.
+    env2 = user.env("112", SLURM_JOB_COMMENT="ckpt_scratch=8M ckpt_replicas=x")
+    report = run_prolog(env2, cfg)
+    assert report is not None and report.size == 8 * MiB and report.replicas == 0
+    assert any("ckpt_replicas='x'" in w for w in report.warnings)
+    assert "replicas" not in ledger(base)["112"]
+    assert not [x for x in lines_for(base, "112") if "REPLICAS" in x]
+    run_epilog(env2, cfg)

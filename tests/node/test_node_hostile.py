@@ -319,6 +319,24 @@ def test_a_leaked_loop_device_is_counted_by_the_next_prolog(node: Node, user: Us
     assert node.run("epilog", other_user, "746")[0] == 0
 
 
+def test_a_loop_device_of_a_jobs_own_file_is_not_a_leak(node: Node, user: User, other_user: User) -> None:
+    """A job loop-mounts an image file in its scratch (as a container runtime does with a SIF
+    file): that space is already the job's reservation, so the next prolog does not count it
+    a second time as a leak."""
+    node.write_config(scratch={"over_reserve": "none", "enforce": "none"})
+    assert node.run("prolog", user, "747", SLURM_JOB_COMMENT="ckpt_scratch=200M")[0] == 0, node.log()
+    inside = node.scratch("747") / "container.sif"
+    user.run("truncate", "-s", "64M", str(inside))
+    device = sh("losetup", "-f", "--show", str(inside)).stdout.strip()
+    try:
+        assert node.run("prolog", other_user, "748", SLURM_JOB_COMMENT="ckpt_scratch=200M")[0] == 0
+        assert "748" in _ledger(node) and not any(k.startswith("leak/") for k in _ledger(node)), _ledger(node)
+    finally:
+        sh("losetup", "-d", device)
+    for job, u in (("748", other_user), ("747", user)):
+        assert node.run("epilog", u, job)[0] == 0, node.log()
+
+
 def test_cleanup_unmounts_before_it_removes() -> None:
     """A kept loop image still mounted below a tree that the test cleanup removes, at a name
     mountinfo escapes (a space), held busy: it is detached, never walked; its files stay."""

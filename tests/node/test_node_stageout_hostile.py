@@ -101,6 +101,7 @@ def test_a_temp_dir_swapped_for_a_link_to_node_memory_gets_no_byte(
     free = os.statvfs(node_memory).f_bfree
     res = run_epilog(env, cfg)
     assert (durable / "moved-away").is_dir()  # the attack ran
+    assert os.listdir(durable / "moved-away") == []  # the copy in it removed, through the temp dir's fd
     # Not a byte in node memory; no step dir that is a link; scratch kept, as the copy was not committed.
     assert os.listdir(target) == [] and os.statvfs(node_memory).f_bfree == free
     assert not (durable / "step-000000003").is_symlink() and list_steps(durable) == []

@@ -22,6 +22,7 @@ differ in the last bits between world sizes; ``--fsdp-backward`` trains that
 way, to measure by how much (``docs/sharded.md``).
 
     python fsdp_trainer.py --steps 120 --out DIR [--every 20] [--step-time 0.05] [--no-ckpt]
+                           [--hang-at STEP --hang-rank R]
 
 World and rank come from ``SLURM_NTASKS``/``SLURM_PROCID`` (or ``WORLD_SIZE``/
 ``RANK``), the group's address from ``MASTER_ADDR``/``MASTER_PORT``. Lines:
@@ -148,6 +149,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--no-ckpt", action="store_true", help="reference run: never save or load")
     ap.add_argument("--fsdp-backward", action="store_true", help="FSDP2's own backward (not world-size exact)")
+    ap.add_argument("--hang-at", type=int, default=0,
+                    help="first run only: rank --hang-rank never joins step STEP's collectives")  # fmt: skip
+    ap.add_argument("--hang-rank", type=int, default=1)
     args = ap.parse_args()
 
     torch.set_num_threads(1)  # one thread: a micro-batch's gradient has the same bits on every rank
@@ -176,7 +180,12 @@ def main() -> int:
             start = int(state["step"])
     say(f"start rank={rank} world={world} from={start} restart={os.environ.get('SLURM_RESTART_COUNT', '0')} "
         f"host={socket.gethostname()}")  # fmt: skip
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
     for step in range(start + 1, args.steps + 1):
+        if step == args.hang_at and rank == args.hang_rank and restart in ("", "0"):
+            say(f"hanging at step={step} rank={rank} t={time.time():.3f}")
+            while True:  # the other ranks wait for it in the step's first collective
+                time.sleep(3600)
         bx, by = batch(step, x, y)
         if args.fsdp_backward:
             fsdp_step(model, opt, bx, by, rank, world)

@@ -41,20 +41,20 @@ THIS = "tests/slurm/test_fsdp_requeue_e2e.py"
 _START = re.compile(r"^fsdp: start rank=(\d+) world=(\d+) from=(\d+) restart=(\d+) host=(\S+)$", re.MULTILINE)
 
 
-def reference(workdir: Path, world: int) -> str:
-    """The digest of an uninterrupted run at ``world`` ranks, run here without Slurm or checkpoints."""
-    out = workdir / f"reference-{world}"
+def reference(workdir: Path, world: int, steps: int = 120) -> str:
+    """The digest of an uninterrupted run of ``steps`` at ``world`` ranks, run here without Slurm or checkpoints."""
+    out = workdir / f"reference-{world}-{steps}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
     env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
-    argv = [str(PYTHON), str(TRAINER), "--out", str(out), "--no-ckpt", *shlex.split(ARGS)]
+    argv = [str(PYTHON), str(TRAINER), "--out", str(out), "--no-ckpt", *shlex.split(ARGS), "--steps", str(steps)]
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r)}, cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(world)]  # fmt: skip
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     failed = [f"rank {r} exited {p.returncode}:\n{text[-3000:]}" for r, (p, text) in enumerate(zip(procs, outputs, strict=True))
               if p.returncode != 0]  # fmt: skip
     assert not failed, f"reference run at {world} ranks failed:\n" + "\n".join(failed)
-    steps, w, digest = (out / "done.txt").read_text().split()
-    assert (int(steps), int(w)) == (120, world)
+    done, w, digest = (out / "done.txt").read_text().split()
+    assert (int(done), int(w)) == (steps, world)
     return digest
 
 

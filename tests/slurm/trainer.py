@@ -7,6 +7,7 @@ compare a SHA-256 of the raw parameter bytes.
 
     python trainer.py --steps 300 --out DIR [--workers 2] [--step-time 0.02]
                       [--first-step-time 0.25] [--crash-at STEP --crash-code 3]
+                      [--hang-at STEP --hang-rank R]
 
 With ``SLURM_NTASKS`` (or ``WORLD_SIZE``) > 1 it joins a gloo process group
 (``MASTER_ADDR``/``MASTER_PORT``), averages gradients across ranks and saves a
@@ -16,6 +17,7 @@ shard per rank. Lines it prints, which the tests parse:
     trainer: step 40
     trainer: committed step=57 t=1732900000.123 path=...
     trainer: stopping at step=57 for requeue
+    trainer: hanging at step=50 rank=1 t=1732900000.123
     trainer: done rank=0 steps=300 digest=ab12...
 """
 
@@ -105,6 +107,9 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=0, help="DataLoader num_workers")
     ap.add_argument("--crash-at", type=int, default=0)
     ap.add_argument("--crash-code", type=int, default=3)
+    ap.add_argument("--hang-at", type=int, default=0,
+                    help="first run only: rank --hang-rank never joins step STEP's all_reduce")  # fmt: skip
+    ap.add_argument("--hang-rank", type=int, default=1)
     ap.add_argument("--out", type=Path, required=True, help="where done-rank<R>.txt goes")
     ap.add_argument("--no-ckpt", action="store_true", help="reference run: never save or load")
     args = ap.parse_args()
@@ -135,6 +140,10 @@ def main() -> int:
                         persistent_workers=False)  # fmt: skip
     step = start
     for step, (bx, by) in enumerate(loader, start=start + 1):
+        if step == args.hang_at and rank == args.hang_rank and restart in ("", "0"):
+            say(f"hanging at step={step} rank={rank} t={time.time():.3f}")
+            while True:  # the other ranks wait for it in the all_reduce below
+                time.sleep(3600)
         loss = torch.nn.functional.mse_loss(model(bx).squeeze(1), by)
         opt.zero_grad()
         loss.backward()

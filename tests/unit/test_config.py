@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,15 @@ def test_values_are_validated_naming_the_file(tmp_path: Path) -> None:
         )
 
 
+def test_the_removed_lazy_snapshot_is_refused_naming_its_replacement(tmp_path: Path) -> None:
+    path = write(tmp_path, "engine:\n  snapshot: lazy\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert str(path) in str(info.value) and "engine.snapshot" in str(info.value) and "overlap" in str(info.value)
+    with pytest.raises(ConfigError, match="overlap"):
+        load_config(env={"SLURM_CKPT_CONFIG": os.devnull, "SLURM_CKPT_ENGINE_SNAPSHOT": "lazy"})
+
+
 def test_precedence_defaults_file_env(tmp_path: Path) -> None:
     path = write(
         tmp_path, "storage:\n  keep: 5\n  root: /file/root\nscratch:\n  default_size: 20G\n"
@@ -179,3 +189,13 @@ def test_template_loads_and_documents_every_key_at_its_default() -> None:
         leaf = key.rsplit(".", 1)[-1]
         line = next(i for i, s in enumerate(text.splitlines()) if s.strip().startswith(f"{leaf}:"))
         assert text.splitlines()[line - 1].strip().startswith("#"), f"{key} has no comment above it"
+
+
+def test_scratch_replicas_is_an_integer_from_zero_off_by_default(tmp_path: Path) -> None:
+    assert Config().scratch.replicas == 0
+    path = write(tmp_path, "scratch:\n  replicas: 2\n")
+    assert load_config(path, env={}).scratch.replicas == 2
+    assert load_config(path, env={"SLURM_CKPT_SCRATCH_REPLICAS": "1"}).scratch.replicas == 1
+    for bad in ("-1", "two", "1.5"):
+        with pytest.raises(ConfigError, match=r"scratch\.replicas|SCRATCH_REPLICAS must be of type int"):
+            load_config(path, env={"SLURM_CKPT_SCRATCH_REPLICAS": bad})

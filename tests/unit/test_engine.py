@@ -343,7 +343,7 @@ def test_map_location_moves_tensors(tmp_path: Path) -> None:
     assert out["a"].device.type == "meta" and out["a"].shape == (8,)
 
 
-@pytest.mark.parametrize("mode", ["sync", "overlap", "copy", "fork", "lazy"])
+@pytest.mark.parametrize("mode", ["sync", "overlap", "copy", "fork"])
 def test_every_mode_commits_the_same_readable_checkpoint(tmp_path: Path, mode: str) -> None:
     state = mixed_state()
     eng = Engine(EngineConfig(chunk_size=8192, threads=3))
@@ -400,28 +400,15 @@ def test_a_fork_snapshot_after_staged_ones_writes_the_state_not_the_wiped_buffer
     assert eng.staging.capacity  # the copies used it, and the forks came after
 
 
-@pytest.mark.parametrize("mode", ["overlap", "copy", "fork", "lazy"])
+@pytest.mark.parametrize("mode", ["overlap", "copy", "fork"])
 def test_in_place_updates_after_the_snapshot_do_not_leak(tmp_path: Path, mode: str) -> None:
     state = {"w": torch.arange(100_000, dtype=torch.float32), "step": 1}
     want = {"w": state["w"].clone(), "step": 1}
     eng = Engine(EngineConfig(chunk_size=8192))
     job = eng.job(state, mode=mode)
-    if mode == "lazy":
-        # The lazy mode's contract: the fence before the update. Its data is
-        # captured by the first write, which the commit below starts.
-        import threading
-
-        done: list[Path] = []
-        t = threading.Thread(target=lambda: done.append(commit(tmp_path, 1, job.write)))
-        t.start()
-        job.captured.wait(30)
-        state["w"].add_(1)
-        t.join()
-        path = done[0]
-    else:
-        # The trainer goes on at once (overlap copied this small tensor before returning).
-        state["w"].add_(1)
-        path = commit(tmp_path, 1, job.write)
+    # The trainer goes on at once (overlap copied this small tensor before returning).
+    state["w"].add_(1)
+    path = commit(tmp_path, 1, job.write)
     job.close()
     assert_same(Engine().load(path, verify_checkpoint(path)), want)
 
@@ -468,7 +455,7 @@ def test_a_fork_snapshot_freezes_tensors_in_shared_memory_too(tmp_path: Path, me
 
 def test_a_job_can_be_written_twice_like_a_retried_commit(tmp_path: Path) -> None:
     eng = Engine(EngineConfig(chunk_size=8192))
-    for mode in ("fork", "copy", "lazy", "overlap"):
+    for mode in ("fork", "copy", "overlap"):
         job = eng.job({"w": torch.randn(5000)}, mode=mode)
         (tmp_path / mode).mkdir()
         try:
@@ -566,8 +553,8 @@ def test_engine_config_is_validated() -> None:
         load_config(env={"SLURM_CKPT_CONFIG": os.devnull, "SLURM_CKPT_ENGINE_SNAPSHOT": "eager"})
     with pytest.raises(ConfigError, match="chunk_size"):
         load_config(env={"SLURM_CKPT_CONFIG": os.devnull, "SLURM_CKPT_ENGINE_CHUNK_SIZE": "1000"})
-    cfg = load_config(env={"SLURM_CKPT_CONFIG": os.devnull, "SLURM_CKPT_ENGINE_SNAPSHOT": "lazy"})
-    assert cfg.engine.snapshot == "lazy"
+    cfg = load_config(env={"SLURM_CKPT_CONFIG": os.devnull, "SLURM_CKPT_ENGINE_SNAPSHOT": "overlap"})
+    assert cfg.engine.snapshot == "overlap"
 
 
 def test_gc_paused_restores_the_callers_setting() -> None:

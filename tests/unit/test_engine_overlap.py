@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import slurm_ckpt.engine as engine_module
+import slurm_ckpt.engine.snapshot.overlap as overlap_module
 from slurm_ckpt import Checkpointer, SnapshotChanged
 from slurm_ckpt.config import Config, EngineConfig, StorageConfig
 from slurm_ckpt.engine import Engine
@@ -35,14 +36,14 @@ def config(snapshot: str = "overlap") -> Config:
 def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """The background copy waits until the returned event is set."""
     go = threading.Event()
-    real = engine_module.copy_pairs
+    real = overlap_module.copy_pairs
 
-    def copy_pairs(pairs: Any, streams: Any = None) -> None:
+    def copy_pairs(pairs: Any) -> None:
         if threading.current_thread().name == "slurm-ckpt-copy":
             assert go.wait(60), "the test never released the copy"
-        real(pairs, streams)
+        real(pairs)
 
-    monkeypatch.setattr(engine_module, "copy_pairs", copy_pairs)
+    monkeypatch.setattr(overlap_module, "copy_pairs", copy_pairs)
     yield go
     go.set()
 

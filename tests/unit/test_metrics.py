@@ -93,6 +93,7 @@ def test_exposition_passes_promtool() -> None:
     m.loaded(0.1, 10)
     m.set_stageout_lag(12.5)
     m.set_durable_stalled(True)
+    m.set_replicas(2, 4096, 2048)
     text = m.render()
     r = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

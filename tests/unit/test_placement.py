@@ -54,3 +54,18 @@ def test_scratch_that_is_the_run_dir_is_one_tier(tmp_path: Path) -> None:
 def test_distributed_without_a_process_group_names_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"initialised torch\.distributed"):
         choose(RunDir(tmp_path / "run"), storage=StorageConfig(), keep=2, distributed=True)
+
+
+def test_replica_ring_goes_by_node_and_skips_ranks_without_scratch() -> None:
+    from slurm_ckpt.placement.replicas import ring
+
+    three = [(True, "a"), (True, "b"), (True, "c")]
+    assert ring(three, 1) == [(0, 1, 1), (1, 2, 1), (2, 0, 1)]
+    assert ring(three, 5) == [(0, 1, 1), (0, 2, 2), (1, 2, 1), (1, 0, 2), (2, 0, 1), (2, 1, 2)]  # capped at nodes - 1
+    assert ring(three, 0) == []
+    # Two ranks per node: each slot replicates to the same slot of the next node, never to its own node.
+    two_each = [(True, "a"), (True, "a"), (True, "b"), (True, "b")]
+    assert ring(two_each, 1) == [(0, 2, 1), (1, 3, 1), (2, 0, 1), (3, 1, 1)]
+    assert ring([(True, "a"), (True, "a")], 1) == []  # one node: no peer to hold a replica
+    # A rank without scratch neither sends nor holds a replica.
+    assert ring([(True, "a"), (False, "b"), (True, "c")], 1) == [(2, 0, 1)]

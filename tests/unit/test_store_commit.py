@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from slurm_ckpt import Checkpointer
+from slurm_ckpt.errors import StorageError
 from slurm_ckpt.store import RunDir, find_latest, fsutil
 from slurm_ckpt.store.codec import encode_state
 from slurm_ckpt.store.commit import WriteFn, commit
@@ -190,6 +191,32 @@ def test_commit_under_a_name_keeps_a_target_already_there(tmp_path: Path) -> Non
     assert sorted(os.listdir(tmp_path)) == ["rank-00003"]  # the second copy's temp dir is gone
     replaced = commit(tmp_path, 7, _write_value(3), name="rank-00003")
     assert _value(replaced) == 3 and sorted(os.listdir(tmp_path)) == ["rank-00003"]
+
+
+@pytest.mark.parametrize("at_its_name", ["a link", "nothing"])
+def test_a_temp_dir_renamed_away_mid_write_is_emptied_and_nothing_replaced(tmp_path: Path, at_its_name: str) -> None:
+    """Another process (the user's other node) renames the temp dir away while it is written,
+    maybe with a link at its name: the commit refuses before its rename, the step already
+    there stays, the link's target is not touched, and the renamed dir is emptied through its fd."""
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "theirs").write_text("not the commit's")
+    old = commit(run, 5, _write_value(1))
+
+    def write(into: Path) -> tuple[dict, dict]:
+        out = _write_value(2)(into)
+        tmp = next(run.glob(".tmp-step-*"))
+        os.rename(tmp, run / "moved-away")
+        if at_its_name == "a link":
+            os.symlink(elsewhere, tmp)
+        return out
+
+    with pytest.raises(StorageError, match="renamed") as refused:
+        commit(run, 5, write, on_dev=run.stat().st_dev)  # as the stage-out commits into a shared run dir
+    assert refused.value.errno == errno.ESTALE
+    assert not old.is_symlink() and _value(old) == 1
+    assert os.listdir(run / "moved-away") == [] and os.listdir(elsewhere) == ["theirs"]
 
 
 def test_commit_into_a_dir_holding_the_data_keeps_it_when_it_fails(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from .assembly import AssemblyLock, complete, newest_durable_step, prune_staging
 from .layout import (
     ASSEMBLY_LOCK,
+    REPLICAS_DIR,
     SHARD_PREFIX,
     STAGING_PREFIX,
     assembler,
@@ -51,6 +52,7 @@ from .staging import stage_shard, write_staged_shard
 
 __all__ = [
     "ASSEMBLY_LOCK",
+    "REPLICAS_DIR",
     "SHARD_PREFIX",
     "STAGING_PREFIX",
     "AssemblyLock",

@@ -22,6 +22,7 @@ from ..tensorfile import FileRecord
 
 __all__ = [
     "ASSEMBLY_LOCK",
+    "REPLICAS_DIR",
     "SHARD_PREFIX",
     "STAGING_PREFIX",
     "assembler",
@@ -37,6 +38,9 @@ __all__ = [
 ]
 
 SHARD_PREFIX = "rank-"
+REPLICAS_DIR = "replicas"
+"""Under a node's ``<scratch>/ckpt``: one ``rank-NNNNN/`` dir per rank whose shards this node
+keeps as peer replicas (``placement/replicas.py``)."""
 STAGING_PREFIX = ".shards-step-"
 ASSEMBLY_LOCK = ".shards.lock"
 _SAVE_ID = r"[0-9a-f]{8,64}"

@@ -1,4 +1,4 @@
-"""Copy-on-write snapshots: a forked child writes the state from its frozen memory image.
+"""The ``fork`` snapshot: a forked child writes the state from its copy-on-write memory image.
 
 ``fork()`` gives the child the parent's memory as it is at that instant; the
 kernel copies a page only when one side writes to it. So the trainer continues
@@ -51,15 +51,43 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import SlurmCkptError, storage_error
-from ..store.codec import TensorEntry
-from ..store.tensorfile import FileRecord
-from .layout import FileImage
-from .writer import write_image
+from ...errors import SlurmCkptError, storage_error
+from ...store.codec import EncodedState, TensorEntry
+from ...store.tensorfile import FileRecord
+from ..job import SaveJob
+from ..layout import FileImage, plan_file
+from ..writer import write_image
+from .sync import contiguous
 
-__all__ = ["ForkedWriter", "frozen_by_fork"]
+__all__ = ["ForkJob", "ForkedWriter", "fork_job", "frozen_by_fork"]
 
 _CHILD_IGNORES = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
+
+
+def fork_job(enc: EncodedState, *, threads: int, chunk: int, direct: bool) -> ForkJob:
+    """Fork a child holding ``enc``'s tensors as they are now; raises ``OSError`` when
+    the fork fails (``ENOMEM`` under strict overcommit, ``EAGAIN`` at the process limit)."""
+    enc.tensors = frozen_by_fork([contiguous(e) for e in enc.tensors])
+    image = plan_file(enc.tensors)  # puts enc.tensors in file order
+    return ForkJob(enc, ForkedWriter(image, threads=threads, chunk=chunk, direct=direct))
+
+
+class ForkJob(SaveJob):
+    """Writes from a forked child's copy-on-write snapshot."""
+
+    mode = "fork"
+
+    def __init__(self, enc: EncodedState, writer: ForkedWriter) -> None:
+        super().__init__(enc)
+        self.writer = writer
+        self.captured.set()
+
+    def _write_tensors(self, path: Path) -> FileRecord:
+        return self.writer.write(path)
+
+    def close(self) -> None:
+        self.writer.close()
+        super().close()
 
 
 def frozen_by_fork(entries: Sequence[TensorEntry]) -> list[TensorEntry]:
