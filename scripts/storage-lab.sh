@@ -263,11 +263,6 @@ osd_pool_default_pg_autoscale_mode = off
 osd_crush_chooseleaf_type = 0
 mon_allow_pool_delete = true
 mon_warn_on_pool_no_redundancy = false
-# All OSDs are on one host: by default the monitor marks an OSD down only on
-# reports from peers on two other hosts, so a killed OSD would stay "up" and
-# block I/O for 15 minutes instead of leaving its replica to serve.
-mon_osd_min_down_reporters = 1
-mon_osd_reporter_subtree_level = osd
 # Start-up in seconds: each close of a BlueStore block file otherwise waits
 # 250 ms for the aio poller, and each monitor proposal 1 s.
 bdev_aio_poll_ms = 25

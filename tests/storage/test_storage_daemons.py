@@ -170,6 +170,7 @@ def test_gluster_brick_killed_mid_save(lab: Lab, run_dirs: tuple[Path, Path], br
     a, b = run_dirs
     out = _save_through(lab, brick, a, tmp_path, monkeypatch, "data")
     _report(brick, "data", out)
+    assert out.while_down, f"the save waited for {brick} to come back: the other brick holds a replica"
     _check_after(a, b, tmp_path, out)
 
 
@@ -179,6 +180,7 @@ def test_ceph_osd_killed_mid_save(lab: Lab, run_dirs: tuple[Path, Path], tmp_pat
     a, b = run_dirs
     out = _save_through(lab, "ceph-osd.1", a, tmp_path, monkeypatch, "data")
     _report("ceph-osd.1", "data", out)
+    assert out.while_down, "the save waited for the OSD to come back: the other OSD holds a replica"
     _check_after(a, b, tmp_path, out)
 
 
