@@ -9,6 +9,8 @@
 #                                            SIGSTOP / SIGCONT those servers
 #   storage-lab.sh kill|restart gluster|ceph-osd|ceph-mds
 #                                            SIGKILL them / start them again
+#   storage-lab.sh kill|restart gluster-b1|gluster-b2|ceph-osd.0|ceph-osd.1
+#                                            one brick or OSD only (the other keeps a replica)
 #   storage-lab.sh shape 'netem delay 20ms loss 1%' | shape 'tbf rate 50mbit burst 64kb latency 1s' | shape off
 #                                            slow the link between clients and servers
 #
@@ -104,9 +106,9 @@ shape() {
 
 unmount_all() {
     local m
-    for m in "$LAB"/mnt/*; do
-        [ -d "$m" ] || continue
-        mountpoint -q "$m" || continue
+    # From the mount table, not `mountpoint`: its stat fails (or hangs) on a
+    # mount whose client lost its servers, and such a mount must go too.
+    for m in $(awk -v dir="$LAB/mnt/" 'index($2, dir) == 1 { print $2 }' /proc/mounts); do
         # Lazy: a mount whose servers are gone must not hold the teardown.
         umount -l "$m" 2>/dev/null || fusermount3 -uz "$m" 2>/dev/null || true
     done
@@ -136,9 +138,57 @@ signal_all() {
 
 brick_pids() { pids_of glusterfsd; }
 
+one_pid() {
+    # The one lab process of program $1 whose command line has the word $2.
+    local p
+    for p in $(pids_of "$1"); do
+        tr '\0' '\n' <"/proc/$p/cmdline" 2>/dev/null | grep -q -x -F -- "$2" && echo "$p"
+    done
+    return 0
+}
+
+kill_one() {
+    local p
+    case $1 in
+    gluster-b[12]) p=$(one_pid glusterfsd "$LAB/gluster/${1#gluster-}") ;;
+    ceph-osd.[0-9]*) p=$(one_pid ceph-osd "${1#ceph-osd.}") ;;
+    *) die 2 "kill: unknown server $1" ;;
+    esac
+    [ -n "$p" ] || die 1 "$1 is not running"
+    kill -KILL $p
+    wait_dead $p
+}
+
+wait_dead() {
+    # Until the killed processes are gone: a restart right after must not find them.
+    local p i
+    for p in "$@"; do
+        for ((i = 0; i < 100; i++)); do
+            [ -e "/proc/$p" ] || break
+            sleep 0.05
+        done
+    done
+}
+
+kill_all() {
+    local t=$1 ps
+    ps=$(pids_of "$t")
+    signal_all KILL "$t"
+    # shellcheck disable=SC2086
+    wait_dead $ps
+}
+
 # --- GlusterFS -----------------------------------------------------------------
 
 gl() { "$GLUSTER" --mode=script --glusterd-sock="$LAB/gluster/glusterd.socket" "$@"; }
+
+bricks_rejoined() {
+    # Both bricks up, with as many clients (the mounts, the self-heal daemon) each.
+    local counts
+    counts=$(gl volume status "$VOL" clients | awk '/Clients connected/ { print $4 }' | sort -u)
+    [ "$(gl volume status "$VOL" clients | grep -c 'Clients connected')" -eq 2 ] \
+        && [ "$(echo "$counts" | wc -l)" -eq 1 ] && [ "${counts:-0}" -gt 0 ]
+}
 
 gluster_up() {
     need "$GLUSTERD" "$GLUSTER" "$GLUSTERFS"
@@ -347,15 +397,20 @@ targets() {
 cmd_restart() {
     local conf=$LAB/ceph/ceph.conf i
     case $1 in
-    gluster) gl volume start "$VOL" force >/dev/null || die 1 "gluster volume start force failed" ;;
-    ceph-osd)
+    gluster | gluster-b[12])
+        gl volume start "$VOL" force >/dev/null || die 1 "gluster volume start force failed"
+        # Back only once every client has reconnected to the restarted bricks: what a
+        # client writes before that lands on the other brick only.
+        wait_for "the clients to reconnect to the bricks" bricks_rejoined
+        ;;
+    ceph-osd | ceph-osd.[0-9]*)
         for ((i = 0; i < OSDS; i++)); do
             [ -n "$(pgrep -f -- "ceph-osd -c $conf -i $i\$")" ] || in_ns ceph-osd -c "$conf" -i "$i" \
                 || die 1 "ceph-osd $i did not start"
         done
         ;;
     ceph-mds) [ -n "$(pids_of ceph-mds)" ] || in_ns ceph-mds -c "$conf" -i a >/dev/null || die 1 "ceph-mds did not start" ;;
-    *) die 2 "restart: gluster, ceph-osd or ceph-mds" ;;
+    *) die 2 "restart: gluster, gluster-bN, ceph-osd, ceph-osd.N or ceph-mds" ;;
     esac
 }
 
@@ -365,7 +420,12 @@ down) cmd_down ;;
 status) cmd_status ;;
 stop) signal_all STOP "$(targets "${2:-}")" ;;
 cont) signal_all CONT "$(targets "${2:-}")" ;;
-kill) signal_all KILL "$(targets "${2:-}")" ;;
+kill)
+    case ${2:-} in
+    gluster-* | ceph-osd.*) kill_one "$2" ;;
+    *) kill_all "$(targets "${2:-}")" ;;
+    esac
+    ;;
 restart) cmd_restart "${2:-}" ;;
 shape) [ $# -eq 2 ] || die 2 "shape 'netem delay 20ms' or shape off"; shape "$2" ;;
 *) die 2 "usage: storage-lab.sh up [gluster|ceph|all] | down | status | stop|cont|kill|restart SERVER | shape QDISC|off" ;;

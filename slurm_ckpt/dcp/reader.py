@@ -186,7 +186,10 @@ class StorageReader(_dcp_storage.StorageReader):
             if isinstance(value, Refused) and not (self.by_stored_key and req.type != LoadItemType.BYTE_IO):
                 raise ConfigError(value.why)
         man = self.manifest
-        return dataclasses.replace(plan, storage_data=(str(self.checkpoint), man.step if man else None,
+        # The checkpoint's name and commit, not its path: ranks on other nodes may reach
+        # the same run dir by other paths (their own mounts of a network filesystem).
+        name = self.checkpoint.name if self.checkpoint is not None else None
+        return dataclasses.replace(plan, storage_data=(name, man.step if man else None,
                                                        man.time if man else None))  # fmt: skip
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:

@@ -8,7 +8,8 @@ produces ONE checkpoint::
     step-000000120/rank-00001/…
 
 1. rank 0 takes the run-dir lock and creates the temp dir (``store.commit``),
-   then broadcasts its name;
+   then broadcasts its name (a name in the run dir, which each rank reaches
+   by its own path: nodes may mount the shared filesystem at other places);
 2. every rank writes its shard into ``rank-NNNNN/``, fsyncs each file and the
    shard dir, and sends its file records to rank 0;
 3. rank 0 writes the manifest listing every rank's files, and renames.
@@ -72,7 +73,8 @@ class Collective:
 
         def write_all(tmp: Path) -> tuple[dict[str, FileRecord], dict[str, Any]]:
             nonlocal announced, gathered
-            g.broadcast(("ok", str(tmp)))
+            # Names, not paths: each rank reaches the run dir by its own path (its own mount).
+            g.broadcast(("ok", tmp.name))
             announced = True
             own, err = _write_shard(tmp, 0, write)
             reports = g.all_gather(own)
@@ -97,7 +99,7 @@ class Collective:
             if not announced or gathered:  # the other ranks are waiting for an outcome
                 g.broadcast(("error", f"rank 0: {e}"))
             raise
-        g.broadcast(("ok", str(path)))
+        g.broadcast(("ok", path.name))
         return path
 
     def _commit_other(self, step: int, write: WriteFn) -> Path:
@@ -105,14 +107,14 @@ class Collective:
         kind, where = g.broadcast(None)
         if kind != "ok":
             raise ShardError(f"checkpoint step {step} failed before rank {g.rank} could write: {where}")
-        own, err = _write_shard(Path(where), g.rank, write)
+        own, err = _write_shard(self.run_dir.path / where, g.rank, write)
         g.all_gather(own)
         kind, result = g.broadcast(None)
         if err is not None:
             raise err
         if kind != "ok":
             raise ShardError(f"checkpoint step {step} not committed: {result}")
-        return Path(result)
+        return self.run_dir.path / result
 
     def committed(self, step: int, path: Path) -> None:
         # One rank deletes; two would race on the same directories.
@@ -142,10 +144,10 @@ class Collective:
         cands = iter_valid(self.search_dirs, full=False, skipped=skipped) if g.rank == 0 else None
         while True:
             cand = next(cands, None) if cands is not None else None
-            where = g.broadcast(None if cand is None else str(cand.path))
+            where = g.broadcast(None if cand is None else cand.path.name)
             if where is None:
                 return None
-            path = Path(where)
+            path = self.run_dir.path / where
             status, state, man, err = _load_shard(path, g.rank, load)
             bad = verdict(g, status, err)
             if not bad:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import stat
@@ -18,6 +19,8 @@ from .fsutil import read_small
 from .layout import LOCK_NAME
 
 __all__ = ["RunDirLock"]
+
+log = logging.getLogger("slurm_ckpt")
 
 
 class RunDirLock:
@@ -73,5 +76,23 @@ class RunDirLock:
     def release(self) -> None:
         # force: two threads of one writer (a save and the tier drain) may both
         # have taken it; it is held for the writer's lifetime, released once.
-        if self._lock.is_locked:
+        if not self._lock.is_locked:
+            return
+        try:
             self._lock.release(force=True)
+        except OSError as e:
+            # The filesystem lost the lock before us: a GlusterFS brick or the
+            # CephFS MDS that held it restarted (ENOTCONN). Nothing is left to
+            # unlock; closing the descriptor drops whatever the client still keeps.
+            log.warning("run dir lock %s was lost by the filesystem (%s); closing it", self.path, e)
+            self._drop()
+
+    def _drop(self) -> None:
+        ctx = getattr(self._lock, "_context", None)
+        fd = getattr(ctx, "lock_file_fd", None)
+        if ctx is None or not isinstance(fd, int):
+            return
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        ctx.lock_file_fd = None  # held no more: a later release (or the lock's finalizer) does nothing
+        ctx.lock_counter = 0

@@ -77,6 +77,11 @@ class Lab:
     def restart(self, server: str) -> None:
         _run("restart", server)
 
+    def pids(self, program: str) -> set[int]:
+        """The lab's running processes of ``program`` (``ceph-mds``, ``glusterfsd``)."""
+        lines = _run("status").splitlines()
+        return {int(w[1]) for w in (ln.split() for ln in lines) if w[0] == "process:" and w[2:] == [program]}
+
     def gluster(self, *args: str) -> str:
         """Run the gluster CLI against the lab's glusterd (``volume quota ...``)."""
         return subprocess.run(["gluster", "--mode=script", f"--glusterd-sock={self.root}/gluster/glusterd.socket",
@@ -113,6 +118,25 @@ class Lab:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(watchdog.pid, signal.SIGKILL)
             watchdog.wait()
+
+
+    @contextlib.contextmanager
+    def killed(self, server: str, bound: float) -> Iterator[None]:
+        """A watchdog that restarts ``server`` (``ceph-osd.1``, ``gluster-b2``,
+        ``ceph-mds``) ``bound`` seconds from now, whatever the test is doing; the
+        block may kill it (:meth:`kill`) at any moment. Restarted at the end."""
+        watchdog = subprocess.Popen(
+            ["bash", "-c", 'sleep "$1"; exec bash "$2" restart "$3"', "watchdog", str(bound), str(SCRIPT), server],
+            env={**os.environ, "STORAGE_LAB_DIR": str(self.root)},
+            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            yield
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(watchdog.pid, signal.SIGKILL)
+            watchdog.wait()
+            self.restart(server)
 
 
 def up() -> Lab:
