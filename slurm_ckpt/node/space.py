@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..config import format_size
-from ..fsinfo import QuotaUsage, mount_of, user_quota
+from ..fsinfo import CEPH_FS, QuotaUsage, ceph_quotas, mount_of, user_quota
 from ..store.layout import STEP_RE
 from . import commands
 from .job import Job
@@ -94,6 +94,7 @@ def check_shared(root: str, job: Job, keep: int, expected: int | None, expected_
         fd = _open_fs(root, job.user)
         try:
             vfs, dev = os.fstatvfs(fd), os.fstat(fd).st_dev
+            where = os.readlink(f"/proc/self/fd/{fd}")  # the dir itself, whatever a path's links say
         finally:
             os.close(fd)
     except OSError as e:
@@ -123,7 +124,23 @@ def check_shared(root: str, job: Job, keep: int, expected: int | None, expected_
         chk.quota = q = user_quota(mount, job.user, job.uid, timeout, commands.run)
         if q is not None:
             _quota_warnings(chk, q, plan)
+        if mount.fstype in CEPH_FS:
+            _ceph_warnings(chk, where, mount.mount_point, plan)
     return chk
+
+
+def _ceph_warnings(chk: SpaceCheck, where: str, mount_point: str, plan: str) -> None:
+    """CephFS directory quotas on ``where`` or a parent: ``statvfs`` does not show them."""
+    for q in ceph_quotas(where, mount_point):
+        fix = f"an admin raises it with `setfattr -n ceph.quota.max_%s -v N {q.directory}`"
+        if q.max_bytes and q.max_bytes - q.used_bytes < max(chk.need_bytes, 1):
+            need = f"; this job needs up to {format_size(chk.need_bytes)} for {plan}" if chk.need_bytes else ""
+            chk.warnings.append(f"the CephFS quota on {q.directory} leaves "
+                                f"{format_size(max(0, q.max_bytes - q.used_bytes))} of "
+                                f"{format_size(q.max_bytes)}{need}; " + fix % "bytes")  # fmt: skip
+        if q.max_files and q.max_files - q.used_files < chk.need_inodes:
+            chk.warnings.append(f"the CephFS quota on {q.directory} leaves {max(0, q.max_files - q.used_files)} "
+                                f"files of {q.max_files}; " + fix % "files")  # fmt: skip
 
 
 def _quota_warnings(chk: SpaceCheck, q: QuotaUsage, plan: str) -> None:

@@ -70,7 +70,8 @@ load counts as progressing):
 * the wrapper ends its ranks at once, with no checkpoint request: a rank stuck
   in a collective cannot save, and the newest committed checkpoint stays what
   the job resumes from;
-* it writes the node's report to ``<run dir>/.watchdog/job_<id>.<restarts>/``;
+* it writes the node's report to ``<run dir>/.watchdog/job_<id>.<restarts>/`` (global
+  rank 0 of the next run removes it);
 * global rank 0's wrapper gathers the reports of the job's nodes (for up to S
   more seconds), and ``policy.decide_hang`` blames a node: one whose rank
   stopped in its own code while the others waited in a collective, else one
@@ -123,7 +124,7 @@ from .events import Events
 from .policy import Decision, HangDecision, HangFacts, RunFacts, decide_hang, decide_requeue
 from .proctree import become_subreaper
 from .supervisor import RunResult, SignalTrap, Supervisor, Timing
-from .watchdog import Watchdog, gather, heartbeat_interval, report_dir, write_report
+from .watchdog import Watchdog, clear_reports, gather, heartbeat_interval, report_dir, write_report
 
 __all__ = ["HANG_EXIT", "Decision", "HangDecision", "HangFacts", "RunFacts", "decide_hang", "decide_requeue",
            "run_wrapper"]  # fmt: skip
@@ -163,6 +164,8 @@ def run_wrapper(
     node = slurm.node or socket.gethostname().split(".")[0]
     if w.hang_timeout:
         child_env[PROGRESS_ENV] = f"{heartbeat_interval(w.hang_timeout):g}"
+    if rank == 0 and restarts:
+        clear_reports(ckpt_dir, slurm.job_id, restarts)  # the earlier runs' hang reports
     become_subreaper()
     # The prolog's per-job I/O cgroup (v1 blkio): joined before the child starts,
     # so the trainer and every worker it forks inherit the job's I/O limits.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -73,6 +74,18 @@ class Watchdog:
 def report_dir(run_dir: Path, job_id: str, restarts: int) -> Path:
     """Where the nodes of one run of the job put their reports (in the shared run dir)."""
     return run_dir / ".watchdog" / f"job_{job_id}.{restarts}"
+
+
+def clear_reports(run_dir: Path, job_id: str, before: int) -> None:
+    """Remove the reports of the job's runs before ``before`` (their decision is in the log),
+    and ``.watchdog`` itself once empty."""
+    top = run_dir / ".watchdog"
+    for d in top.glob(f"job_{job_id}.*"):
+        run = d.name.rpartition(".")[2]
+        if run.isdigit() and int(run) < before:
+            shutil.rmtree(d, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        top.rmdir()
 
 
 def write_report(where: Path, report: NodeReport) -> Path:

@@ -87,9 +87,12 @@ def test_a_rank_hung_in_a_collective_is_found_and_its_node_excluded(
     assert [e["reason"] for e in by_rank[1].find("no-requeue")] == ["not-rank-0"]
     assert not by_rank[0].find("forward") and not by_rank[1].find("forward")  # no checkpoint asked
 
+    reports = slurm_workdir / "run" / ".watchdog" / f"job_{job.id}.0"
+    assert {p.name for p in reports.iterdir()} == {f"{bad}.json", f"{good}.json"}
     job.skip_requeue_wait(restarts=1)
     job.wait_state("COMPLETED", timeout=180)
     assert job.info()["NodeList"] == after
+    assert not reports.parent.exists()  # the next run's rank 0 removed the reports
     starts = sorted((d["restart"], d["rank"], d["from"]) for d in _lines(job, "start"))
     assert starts == [("0", "0", "0"), ("0", "1", "0"), ("1", "0", "40"), ("1", "1", "40")]
     assert done_digests(slurm_workdir, 2) == reference(ARGS, 2)

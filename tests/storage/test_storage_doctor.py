@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from slurm_ckpt.doctor import Report, Severity, run_doctor
+from slurm_ckpt.node.job import Job
+from slurm_ckpt.node.space import check_shared
 from tests.storage.lab import Lab
 
 pytestmark = pytest.mark.root
@@ -44,6 +46,23 @@ def test_cephfs_quota_on_a_parent_is_found_through_the_other_mount(lab: Lab) -> 
     assert quota[0].data["limit_bytes"] == 50_000_000
     assert quota[0].severity == Severity.ERROR  # 50 MB: under the room one checkpoint needs
     assert "ceph.quota.max_bytes" in quota[0].recommendation
+
+
+def test_the_prologs_space_check_sees_a_cephfs_quota_that_df_does_not(lab: Lab) -> None:
+    """The prolog checks the user's dir on the checkpoint storage before the job: a CephFS
+    quota on the site's root is the limit, not the filesystem's free space."""
+    root = lab.mount("ceph", "a") / f"root-{os.getpid()}"
+    (root / "alice").mkdir(parents=True)
+    job = Job("901", 0, 0, "alice", "/", "p", "", 0)
+    os.setxattr(root, "ceph.quota.max_bytes", str(100 << 20).encode())
+    try:
+        chk = check_shared(str(root), job, 2, 64 << 20, "--comment ckpt_size", timeout=10)
+    finally:
+        os.setxattr(root, "ceph.quota.max_bytes", b"0")
+    assert chk.free_bytes > 3 * (64 << 20)  # statvfs shows the whole filesystem
+    quota = [w for w in chk.warnings if "CephFS quota" in w]
+    assert len(quota) == 1 and str(root) in quota[0] and "setfattr -n ceph.quota.max_bytes" in quota[0], chk.warnings
+    assert check_shared(str(root), job, 2, 64 << 20, "", timeout=10).warnings == []
 
 
 def test_glusterfs_directory_quota_is_found(lab: Lab) -> None:

@@ -19,7 +19,7 @@ from slurm_ckpt.protocol import PROGRESS_ENV, Message, parse_message, progress_l
 from slurm_ckpt.wrapper.channel import ControlServer
 from slurm_ckpt.wrapper.events import parse_event
 from slurm_ckpt.wrapper.policy import HangFacts, NodeReport, RankProgress, decide_hang
-from slurm_ckpt.wrapper.watchdog import Watchdog, gather, read_report, write_report
+from slurm_ckpt.wrapper.watchdog import Watchdog, clear_reports, gather, read_report, write_report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -255,3 +255,14 @@ def test_a_hung_child_is_ended_and_reported(tmp_path: Path) -> None:
 def test_a_child_that_makes_progress_is_left_alone(tmp_path: Path) -> None:
     code, events = _wrapper(tmp_path, "2", CHILD.format(steps=40, then="pass"))  # 4 s of steps
     assert code == 0 and not [e for e in events if e["event"] == "hang"]
+
+
+def test_the_next_run_clears_the_earlier_runs_reports_only(tmp_path: Path) -> None:
+    report = NodeReport("n1", (RankProgress(1, 5, "collective", 10.0),))
+    for job, run in (("7", 0), ("7", 1), ("7", 2), ("8", 0)):
+        write_report(tmp_path / ".watchdog" / f"job_{job}.{run}", report)
+    clear_reports(tmp_path, "7", 2)
+    assert sorted(p.name for p in (tmp_path / ".watchdog").iterdir()) == ["job_7.2", "job_8.0"]
+    clear_reports(tmp_path, "7", 3)
+    clear_reports(tmp_path, "8", 1)
+    assert not (tmp_path / ".watchdog").exists()
