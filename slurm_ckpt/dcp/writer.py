@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint import storage as _dcp_storage
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -51,7 +50,6 @@ from ..config import Config, load_config
 from ..errors import ConfigError, storage_error
 from ..placement import Local, scratch_tier
 from ..store import RunDir
-from ..store.codec import TensorEntry, resolved, st_dtype
 from ..store.commit import commit
 from ..store.fsutil import remove_tree
 from ..store.layout import step_dir, tmp_dir_for
@@ -60,17 +58,14 @@ from ..store.tensorfile import FileRecord
 from ..store.verify import is_committed
 from ..store.writer import write_small_files
 from .chunks import write_chunks
-from .index import LAYOUT, Stored, chunk_key, index_entries, planner_extra
+from .index import LAYOUT, Stored, index_entries, planner_extra
+from .plan import data_file_name, dtensor_layout, plan_file_of
 
 __all__ = ["StorageWriter", "data_file_name", "parse_checkpoint_id"]
 
 log = logging.getLogger("slurm_ckpt")
 
 _STEP_NAME = re.compile(r"^step-(\d+)$")
-
-
-def data_file_name(rank: int) -> str:
-    return f"dcp-{rank:05d}.safetensors"
 
 
 def parse_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[Path, int] | None:
@@ -409,33 +404,13 @@ class StorageWriter(_dcp_storage.StorageWriter):
     def _write_file(self, path: Path, name: str, items: list[WriteItem],
                     planner: SavePlanner) -> list[_dcp_storage.WriteResult]:  # fmt: skip
         """Write this rank's items into one file; one ``WriteResult`` per item."""
-        from ..engine.layout import plan_file
-
         if not items:
             return []
-        entries: list[TensorEntry] = []
-        by_entry: dict[int, WriteItem] = {}
-        keys: set[str] = {"__metadata__"}
+        plan = plan_file_of(items, planner)
+        record, stored = write_chunks(path, name, plan.image, plan.entries, self.config.engine)
         layouts = _layouts(planner)
-        for item in items:
-            data: Any = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                raw = bytearray(data.getbuffer())
-                t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-            else:
-                t = resolved(data.detach().to("cpu").contiguous())  # copies only what is not CPU and contiguous yet
-            key = chunk_key(item.index.fqn, item.index.offset)
-            while key in keys:  # never for DCP's own keys; kept so that no two entries share one
-                key += "'"
-            keys.add(key)
-            e = TensorEntry(key, t, st_dtype(t.dtype, item.index.fqn, scalar=t.dim() == 0), list(t.shape))
-            entries.append(e)
-            by_entry[id(e)] = item
-        image = plan_file(entries)  # puts entries in file order
-        record, stored = write_chunks(path, name, image, entries, self.config.engine)
         out = []
-        for e, where in zip(entries, stored, strict=True):
-            item = by_entry[id(e)]
+        for e, item, where in zip(plan.entries, plan.items, stored, strict=True):
             layout = layouts.get(item.index.fqn) if item.type != WriteItemType.BYTE_IO else None
             out.append(_dcp_storage.WriteResult(index=item.index, size_in_bytes=e.nbytes,
                                                 storage_data=_Written(where, record, layout)))  # fmt: skip
@@ -461,12 +436,7 @@ def _layouts(planner: SavePlanner) -> dict[str, dict[str, Any]]:
     Read from the default planner's (flattened) ``state_dict``; a planner
     without one leaves them out: the chunks alone define the layout on disk.
     """
-    from torch.distributed.tensor import DTensor
-
     state = getattr(planner, "state_dict", None)
-    out: dict[str, dict[str, Any]] = {}
-    if isinstance(state, dict):
-        for fqn, obj in state.items():
-            if isinstance(obj, DTensor):
-                out[fqn] = {"placements": [repr(p) for p in obj.placements], "mesh": list(obj.device_mesh.shape)}
-    return out
+    if not isinstance(state, dict):
+        return {}
+    return {fqn: layout for fqn, obj in state.items() if (layout := dtensor_layout(obj)) is not None}
