@@ -48,7 +48,7 @@ from torch.futures import Future
 from .._env import job_id
 from ..config import Config, load_config
 from ..errors import ConfigError, storage_error
-from ..placement import Local, scratch_tier
+from ..placement import Local, after_commit, scratch_tier, surface_drain_error
 from ..store import RunDir
 from ..store.commit import commit
 from ..store.fsutil import remove_tree
@@ -105,10 +105,11 @@ class _Scratch:
 @dataclass
 class _Pending:
     run: RunDir
+    """Where the checkpoint is committed: the fast tier, else the run dir (locked)."""
     staging: Path
     step: int
-    local: Local | None
-    """The tiers the checkpoint is committed in front of; None when it goes to the run dir."""
+    local: Local
+    """The run dir's placement: retention, and with scratch the drain to the run dir."""
 
 
 class StorageWriter(_dcp_storage.StorageWriter):
@@ -238,11 +239,10 @@ class StorageWriter(_dcp_storage.StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         assert self.run_dir is not None and self.step is not None
         self._abandon()  # a save of ours that failed before its commit
-        local = self._tiers(_shared_fast(plans))
-        if local is not None:
-            self._surface_drain_error(local)
+        local = self._placement(_shared_fast(plans))
+        surface_drain_error(local, self.config.storage)
         # One writer per run dir; taking the lock also removes dead writers' temp dirs.
-        run = local.tiers.fast if local is not None and local.tiers is not None else RunDir(self.run_dir, lock_timeout=self.lock_timeout)
+        run = local.tiers.fast if local.tiers is not None else local.run_dir
         run.lock()
         if not self.overwrite:
             there = [d for d in dict.fromkeys([run.path, self.run_dir]) if step_dir(d, self.step).exists()]
@@ -307,19 +307,13 @@ class StorageWriter(_dcp_storage.StorageWriter):
                           world_size=len(results), nbytes=sum(r.size for r in files.values()),
                           job_id=job_id(), extra=extra)  # fmt: skip
             self.last_committed = path
-            try:
-                if pending.local is not None:  # retention on scratch, and the drain to the run dir
-                    pending.local.committed(pending.step, path)
-                else:
-                    pending.run.retain(self.keep, protect=[path])
-            except OSError as e:  # the checkpoint is committed: a failed delete must not fail the save
-                log.warning("checkpoint %d committed, but retention failed: %s", pending.step, e)
+            after_commit(pending.local, pending.step, path)  # retention; with scratch, the drain
         finally:
             self._abandon()
         if self._durable_when_done and self._local is not None:
             local = self._local
             self.close()
-            self._surface_drain_error(local)
+            surface_drain_error(local, self.config.storage)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -346,7 +340,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
 
     def is_durable(self, step: int) -> bool:
         """True once checkpoint ``step`` is committed in the run dir (the durable tier)."""
-        if self._local is not None:
+        if self._local is not None:  # the run dir of the last save
             return self._local.is_durable(step)
         return self.run_dir is not None and is_committed(self.run_dir, step)
 
@@ -367,33 +361,22 @@ class StorageWriter(_dcp_storage.StorageWriter):
             self._fast = (self.run_dir, scratch_tier(self.run_dir, self.scratch))
         return self._fast[1]
 
-    def _tiers(self, fast: Path | None) -> Local | None:
-        """The coordinator's tiers in front of the run dir, with ``fast`` as the fast tier;
-        None to commit to the run dir itself."""
+    def _placement(self, fast: Path | None) -> Local:
+        """The coordinator's placement of the run dir (a Checkpointer's one-process one),
+        with ``fast`` as its fast tier, or none."""
         assert self.run_dir is not None
         local = self._local
-        if local is not None and (local.run_dir.path != self.run_dir or local.tiers is None
-                                  or local.tiers.fast.path != fast):  # fmt: skip
-            self.close()  # another run dir (checkpoint_id=...) or another scratch
+        if local is not None and (local.run_dir.path != self.run_dir
+                                  or (local.tiers.fast.path if local.tiers is not None else None) != fast):  # fmt: skip
+            # Another run dir (checkpoint_id=...) or another scratch; or the scratch dir
+            # could not be set up last time (logged), and is tried again.
+            self.close()
             local = None
-        if local is None and fast is not None:
+        if local is None:
             local = Local.setup(RunDir(self.run_dir, lock_timeout=self.lock_timeout), fast,
                                 storage=self.config.storage, keep=self.keep, lock_timeout=self.lock_timeout)  # fmt: skip
-            if local.tiers is None:  # the scratch dir could not be set up (logged)
-                local.close()
-                local = None
         self._local = local
         return local
-
-    def _surface_drain_error(self, local: Local) -> None:
-        """A failed copy to the run dir: raised or logged per ``storage.on_async_error``."""
-        err = local.take_error()
-        if err is None:
-            return
-        if self.config.storage.on_async_error == "warn":
-            log.warning("copying a checkpoint to the durable tier failed: %s; it stays on scratch", err)
-            return
-        raise err
 
     def _abandon(self) -> None:
         pending, self._pending = self._pending, None
