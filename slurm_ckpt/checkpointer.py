@@ -17,7 +17,7 @@ from .engine import Engine, SaveHandle, SaveJob
 from .engine.handle import start_save, take_error
 from .errors import ConfigError, StorageError
 from .metrics import Metrics
-from .placement import choose
+from .placement import after_commit, choose, surface_drain_error
 from .ranks import rank_info
 from .sharded.job import ShardJob
 from .sharded.parts import holds_dtensor
@@ -129,29 +129,14 @@ class Checkpointer:
         return self.placement.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _surface_drain_error(self) -> None:
-        """A failed copy to the durable tier: raise or log it per ``storage.on_async_error``.
-
-        Only logged once a checkpoint-and-stop was requested: the emergency save
-        to scratch matters more, and the epilog stages it out.
-        """
-        err = self.placement.take_error()
-        if err is None:
-            return
-        if self.config.storage.on_async_error == "warn" or self.control.requested:
-            log.warning("copying a checkpoint to the durable tier failed: %s; it stays on scratch "
-                        "and training goes on", err)  # fmt: skip
-            return
-        raise err
+        """A failed copy to the durable tier: raise or log it per ``storage.on_async_error``;
+        only logged once a checkpoint-and-stop was requested (``placement.surface_drain_error``)."""
+        surface_drain_error(self.placement, self.config.storage, stopping=self.control.requested)
 
     def _committed(self, step: int, path: Path) -> None:
         """After a commit: queue the copy to the durable tier, retention, the report."""
         self.last_committed = path
-        try:
-            self.placement.committed(step, path)
-        except OSError as e:
-            # The checkpoint is committed: failing to delete old ones must not turn it
-            # into a failed save, nor keep the wrapper from hearing about it.
-            log.warning("checkpoint %d committed, but retention failed: %s", step, e)
+        after_commit(self.placement, step, path)
         self.control.report_committed(step, str(path))
 
     @property

@@ -18,8 +18,8 @@ writes. Loads reshard to any world size through DCP's planner, and each rank
 reads only the blocks holding its part of each tensor.
 
 The public names are the two in ``__all__``, imported from ``slurm_ckpt.dcp``;
-its modules (``chunks``, ``index``, ``plain``, ``ranged``, ``reader``,
-``writer``) are internal and may change between releases. The on-disk layout
+its modules (``chunks``, ``index``, ``plain``, ``plan``, ``ranged``,
+``reader``, ``writer``) are internal and may change between releases. The on-disk layout
 is described in ``index.py`` and in the docs' on-disk format page. Importing
 this package imports torch.
 """

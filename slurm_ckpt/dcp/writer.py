@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint import storage as _dcp_storage
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -49,9 +48,8 @@ from torch.futures import Future
 from .._env import job_id
 from ..config import Config, load_config
 from ..errors import ConfigError, storage_error
-from ..placement import Local, scratch_tier
+from ..placement import Local, after_commit, scratch_tier, surface_drain_error
 from ..store import RunDir
-from ..store.codec import TensorEntry, resolved, st_dtype
 from ..store.commit import commit
 from ..store.fsutil import remove_tree
 from ..store.layout import step_dir, tmp_dir_for
@@ -60,17 +58,14 @@ from ..store.tensorfile import FileRecord
 from ..store.verify import is_committed
 from ..store.writer import write_small_files
 from .chunks import write_chunks
-from .index import LAYOUT, Stored, chunk_key, index_entries, planner_extra
+from .index import LAYOUT, Stored, index_entries, planner_extra
+from .plan import data_file_name, dtensor_layout, plan_file_of
 
 __all__ = ["StorageWriter", "data_file_name", "parse_checkpoint_id"]
 
 log = logging.getLogger("slurm_ckpt")
 
 _STEP_NAME = re.compile(r"^step-(\d+)$")
-
-
-def data_file_name(rank: int) -> str:
-    return f"dcp-{rank:05d}.safetensors"
 
 
 def parse_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[Path, int] | None:
@@ -110,10 +105,11 @@ class _Scratch:
 @dataclass
 class _Pending:
     run: RunDir
+    """Where the checkpoint is committed: the fast tier, else the run dir (locked)."""
     staging: Path
     step: int
-    local: Local | None
-    """The tiers the checkpoint is committed in front of; None when it goes to the run dir."""
+    local: Local
+    """The run dir's placement: retention, and with scratch the drain to the run dir."""
 
 
 class StorageWriter(_dcp_storage.StorageWriter):
@@ -243,11 +239,10 @@ class StorageWriter(_dcp_storage.StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         assert self.run_dir is not None and self.step is not None
         self._abandon()  # a save of ours that failed before its commit
-        local = self._tiers(_shared_fast(plans))
-        if local is not None:
-            self._surface_drain_error(local)
+        local = self._placement(_shared_fast(plans))
+        surface_drain_error(local, self.config.storage)
         # One writer per run dir; taking the lock also removes dead writers' temp dirs.
-        run = local.tiers.fast if local is not None and local.tiers is not None else RunDir(self.run_dir, lock_timeout=self.lock_timeout)
+        run = local.tiers.fast if local.tiers is not None else local.run_dir
         run.lock()
         if not self.overwrite:
             there = [d for d in dict.fromkeys([run.path, self.run_dir]) if step_dir(d, self.step).exists()]
@@ -312,19 +307,13 @@ class StorageWriter(_dcp_storage.StorageWriter):
                           world_size=len(results), nbytes=sum(r.size for r in files.values()),
                           job_id=job_id(), extra=extra)  # fmt: skip
             self.last_committed = path
-            try:
-                if pending.local is not None:  # retention on scratch, and the drain to the run dir
-                    pending.local.committed(pending.step, path)
-                else:
-                    pending.run.retain(self.keep, protect=[path])
-            except OSError as e:  # the checkpoint is committed: a failed delete must not fail the save
-                log.warning("checkpoint %d committed, but retention failed: %s", pending.step, e)
+            after_commit(pending.local, pending.step, path)  # retention; with scratch, the drain
         finally:
             self._abandon()
         if self._durable_when_done and self._local is not None:
             local = self._local
             self.close()
-            self._surface_drain_error(local)
+            surface_drain_error(local, self.config.storage)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -351,7 +340,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
 
     def is_durable(self, step: int) -> bool:
         """True once checkpoint ``step`` is committed in the run dir (the durable tier)."""
-        if self._local is not None:
+        if self._local is not None:  # the run dir of the last save
             return self._local.is_durable(step)
         return self.run_dir is not None and is_committed(self.run_dir, step)
 
@@ -372,33 +361,22 @@ class StorageWriter(_dcp_storage.StorageWriter):
             self._fast = (self.run_dir, scratch_tier(self.run_dir, self.scratch))
         return self._fast[1]
 
-    def _tiers(self, fast: Path | None) -> Local | None:
-        """The coordinator's tiers in front of the run dir, with ``fast`` as the fast tier;
-        None to commit to the run dir itself."""
+    def _placement(self, fast: Path | None) -> Local:
+        """The coordinator's placement of the run dir (a Checkpointer's one-process one),
+        with ``fast`` as its fast tier, or none."""
         assert self.run_dir is not None
         local = self._local
-        if local is not None and (local.run_dir.path != self.run_dir or local.tiers is None
-                                  or local.tiers.fast.path != fast):  # fmt: skip
-            self.close()  # another run dir (checkpoint_id=...) or another scratch
+        if local is not None and (local.run_dir.path != self.run_dir
+                                  or (local.tiers.fast.path if local.tiers is not None else None) != fast):  # fmt: skip
+            # Another run dir (checkpoint_id=...) or another scratch; or the scratch dir
+            # could not be set up last time (logged), and is tried again.
+            self.close()
             local = None
-        if local is None and fast is not None:
+        if local is None:
             local = Local.setup(RunDir(self.run_dir, lock_timeout=self.lock_timeout), fast,
                                 storage=self.config.storage, keep=self.keep, lock_timeout=self.lock_timeout)  # fmt: skip
-            if local.tiers is None:  # the scratch dir could not be set up (logged)
-                local.close()
-                local = None
         self._local = local
         return local
-
-    def _surface_drain_error(self, local: Local) -> None:
-        """A failed copy to the run dir: raised or logged per ``storage.on_async_error``."""
-        err = local.take_error()
-        if err is None:
-            return
-        if self.config.storage.on_async_error == "warn":
-            log.warning("copying a checkpoint to the durable tier failed: %s; it stays on scratch", err)
-            return
-        raise err
 
     def _abandon(self) -> None:
         pending, self._pending = self._pending, None
@@ -409,33 +387,13 @@ class StorageWriter(_dcp_storage.StorageWriter):
     def _write_file(self, path: Path, name: str, items: list[WriteItem],
                     planner: SavePlanner) -> list[_dcp_storage.WriteResult]:  # fmt: skip
         """Write this rank's items into one file; one ``WriteResult`` per item."""
-        from ..engine.layout import plan_file
-
         if not items:
             return []
-        entries: list[TensorEntry] = []
-        by_entry: dict[int, WriteItem] = {}
-        keys: set[str] = {"__metadata__"}
+        plan = plan_file_of(items, planner)
+        record, stored = write_chunks(path, name, plan.image, plan.entries, self.config.engine)
         layouts = _layouts(planner)
-        for item in items:
-            data: Any = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                raw = bytearray(data.getbuffer())
-                t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-            else:
-                t = resolved(data.detach().to("cpu").contiguous())  # copies only what is not CPU and contiguous yet
-            key = chunk_key(item.index.fqn, item.index.offset)
-            while key in keys:  # never for DCP's own keys; kept so that no two entries share one
-                key += "'"
-            keys.add(key)
-            e = TensorEntry(key, t, st_dtype(t.dtype, item.index.fqn, scalar=t.dim() == 0), list(t.shape))
-            entries.append(e)
-            by_entry[id(e)] = item
-        image = plan_file(entries)  # puts entries in file order
-        record, stored = write_chunks(path, name, image, entries, self.config.engine)
         out = []
-        for e, where in zip(entries, stored, strict=True):
-            item = by_entry[id(e)]
+        for e, item, where in zip(plan.entries, plan.items, stored, strict=True):
             layout = layouts.get(item.index.fqn) if item.type != WriteItemType.BYTE_IO else None
             out.append(_dcp_storage.WriteResult(index=item.index, size_in_bytes=e.nbytes,
                                                 storage_data=_Written(where, record, layout)))  # fmt: skip
@@ -461,12 +419,7 @@ def _layouts(planner: SavePlanner) -> dict[str, dict[str, Any]]:
     Read from the default planner's (flattened) ``state_dict``; a planner
     without one leaves them out: the chunks alone define the layout on disk.
     """
-    from torch.distributed.tensor import DTensor
-
     state = getattr(planner, "state_dict", None)
-    out: dict[str, dict[str, Any]] = {}
-    if isinstance(state, dict):
-        for fqn, obj in state.items():
-            if isinstance(obj, DTensor):
-                out[fqn] = {"placements": [repr(p) for p in obj.placements], "mesh": list(obj.device_mesh.shape)}
-    return out
+    if not isinstance(state, dict):
+        return {}
+    return {fqn: layout for fqn, obj in state.items() if (layout := dtensor_layout(obj)) is not None}

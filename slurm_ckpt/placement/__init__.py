@@ -24,12 +24,13 @@ from ..ranks import open_group
 from ..store import RunDir
 from ..store.layout import fast_dir
 from ..store.tiers import usable_scratch
-from .base import Load, Placement
+from .base import Load, Placement, after_commit, surface_drain_error
 from .collective import Collective
 from .crossnode import CrossNode
 from .local import Local
 
-__all__ = ["Collective", "CrossNode", "Load", "Local", "Placement", "choose", "scratch_tier"]
+__all__ = ["Collective", "CrossNode", "Load", "Local", "Placement", "after_commit", "choose", "scratch_tier",
+           "surface_drain_error"]
 
 log = logging.getLogger("slurm_ckpt")
 

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from ..config import StorageConfig
     from ..ranks import RankGroup
     from ..store import Skipped
     from ..store.commit import WriteFn
     from ..store.tiers import Tiers
 
-__all__ = ["Load", "Placement"]
+__all__ = ["Load", "Placement", "after_commit", "surface_drain_error"]
+
+log = logging.getLogger("slurm_ckpt")
 
 Load = Callable[[Path, Any], Any]
 """``load(checkpoint dir, manifest)``: read one checkpoint (or one rank's shard
@@ -89,3 +93,31 @@ class Placement(Protocol):
 
         Returns what :meth:`drain` does.
         """
+
+
+def after_commit(placement: Placement, step: int, path: Path) -> None:
+    """``placement.committed(step, path)``: retention, and the copy to the durable tier queued.
+
+    A failed retention is logged, not raised: the checkpoint is committed, and
+    failing to delete older ones must not turn it into a failed save.
+    """
+    try:
+        placement.committed(step, path)
+    except OSError as e:
+        log.warning("checkpoint %d committed, but retention failed: %s", step, e)
+
+
+def surface_drain_error(placement: Placement, storage: StorageConfig, *, stopping: bool = False) -> None:
+    """A failed copy to the durable tier: raised, or logged per ``storage.on_async_error``.
+
+    Only logged while ``stopping`` (a checkpoint-and-stop was requested): the
+    emergency save to scratch matters more, and the epilog stages it out.
+    """
+    err = placement.take_error()
+    if err is None:
+        return
+    if storage.on_async_error == "warn" or stopping:
+        log.warning("copying a checkpoint to the durable tier failed: %s; it stays on scratch "
+                    "and training goes on", err)  # fmt: skip
+        return
+    raise err

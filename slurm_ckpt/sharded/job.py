@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from ..store.codec import TensorEntry, is_dtensor, resolved, st_dtype
+from ..store.codec import TensorEntry, is_dtensor, st_dtype
 from ..store.tensorfile import FileRecord
 from ..store.writer import write_small_files
 from .parts import Ranks, prepare
@@ -57,7 +57,7 @@ class ShardJob:
 
     def __init__(self, rank: int, entries: list[TensorEntry], chunks: list[dict[str, Any]], image: Any,
                  small: dict[str, bytes], extra: dict[str, Any], engine: Engine, mode: str) -> None:  # fmt: skip
-        from ..dcp.writer import data_file_name
+        from ..dcp.plan import data_file_name
 
         self.name = data_file_name(rank)
         self.entries = entries
@@ -107,9 +107,8 @@ def make_job(state: Any, *, group: RankGroup | None, engine: Engine, allow_pickl
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
-    from ..dcp.index import LAYOUT, chunk_key, planner_extra
-    from ..engine.layout import plan_file
-    from ..engine.staging import is_cuda
+    from ..dcp.index import LAYOUT, planner_extra
+    from ..dcp.plan import plan_file_of
 
     ranks = Ranks(group.pg, alone=False) if group is not None else Ranks(alone=True)
     prep = prepare(state, ranks, allow_pickle=allow_pickle)
@@ -124,46 +123,23 @@ def make_job(state: Any, *, group: RankGroup | None, engine: Engine, allow_pickl
         # which chunks it writes (a chunk several ranks hold goes to one of them).
         global_plans, metadata = planner.create_global_plan(plans)
         mine = planner.finish_plan(global_plans[ranks.rank])
-    entries: list[TensorEntry] = []
-    chunks: dict[int, dict[str, Any]] = {}
-    keys: set[str] = {"__metadata__"}
-    for item in mine.items:
-        fqn = item.index.fqn
-        t: Any = planner.resolve_data(item)  # a tensor: the flat state holds nothing else
-        t = resolved(t.detach())
-        td = item.tensor_data
-        assert td is not None and td.chunk is not None, f"{fqn}: DCP planned a write without a chunk"
-        key = chunk_key(fqn, item.index.offset)
-        while key in keys:  # never for DCP's own keys; kept so that no two entries share one
-            key += "'"
-        keys.add(key)
-        if not background and not is_cuda(t):
-            t = t.to("cpu").contiguous()  # copies only what is not CPU and contiguous yet
-        e = TensorEntry(key, t, st_dtype(t.dtype, fqn, scalar=t.dim() == 0), list(t.shape))
-        entries.append(e)
-        chunks[id(e)] = _chunk_entry(fqn, prep.flat[fqn], td)
-    if background or any(is_cuda(e.tensor) for e in entries):
-        # A copy now: the checkpoint holds the state as it was at this call.
-        image, staged = engine.staging.stage(entries)
-        order = [chunks[id(e)] for e in entries]
-        by_key = {e.key: c for e, c in zip(entries, order, strict=True)}
-        entries, ordered = staged, [by_key[e.key] for e in staged]
-        mode = "copy"
-    else:
-        image = plan_file(entries)  # puts entries in file order
-        ordered = [chunks[id(e)] for e in entries]
-        mode = "sync"
+    # The same file plan as dcp.save's writer: one entry per chunk, over the tensors'
+    # own memory (a synchronous save of CPU tensors), else over a staged copy.
+    plan = plan_file_of(mine.items, planner, staging=engine.staging, copy=background)
+    chunks = [_chunk_entry(item.index.fqn, prep.flat[item.index.fqn], item.tensor_data) for item in plan.items]
     extra = {"layout": LAYOUT, "sharded": 1, "dcp": planner_extra(metadata.planner_data, CURRENT_DCP_VERSION)}
     small = prep.files if ranks.rank == 0 else {}
-    return ShardJob(ranks.rank, entries, ordered, image, small, extra, engine, mode)
+    return ShardJob(ranks.rank, plan.entries, chunks, plan.image, small, extra, engine, plan.mode)
 
 
 def _chunk_entry(fqn: str, value: Any, td: Any) -> dict[str, Any]:
     """The index fields of one chunk: its key, the global tensor's dtype and shape (and
     placements and mesh for a DTensor), and where the chunk sits in it."""
+    from ..dcp.plan import dtensor_layout
+
+    assert td is not None and td.chunk is not None, f"{fqn}: DCP planned a write without a chunk"
     out: dict[str, Any] = {"fqn": fqn, "dtype": st_dtype(td.properties.dtype, fqn), "shape": list(td.size)}
-    if is_dtensor(value):
-        out |= {"placements": [repr(p) for p in value.placements], "mesh": list(value.device_mesh.shape)}
+    out |= dtensor_layout(value) or {}
     out["chunk"] = {"offsets": list(td.chunk.offsets), "sizes": list(td.chunk.sizes)}
     return out
 

@@ -592,6 +592,31 @@ def test_a_failed_drain_is_raised_at_the_next_save_and_the_checkpoint_stays_on_s
     w.close(timeout=0)
 
 
+def test_with_on_async_error_warn_a_failed_drain_is_logged_and_the_next_save_commits(
+    tiers_env: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    import dataclasses
+    import logging
+
+    from slurm_ckpt.config import load_config
+
+    fast, _ = tiers_env
+    cfg = load_config()
+    warn = dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, on_async_error="warn"))
+    blocker = fast.parent.parent / "not-a-dir"
+    blocker.write_text("a file where the durable tier's parent should be")
+    run = blocker / "run"  # every copy to it fails (ENOTDIR)
+    w = StorageWriter(run, step=1, config=warn)
+    dcp.save({"w": torch.arange(8.0)}, storage_writer=w)
+    assert not w.drain(timeout=120)
+    caplog.set_level(logging.WARNING, "slurm_ckpt")
+    dcp.save({"w": torch.ones(8)}, checkpoint_id=str(run / "step-2"), storage_writer=w)
+    assert w.last_committed == fast / "step-000000002"
+    assert "cannot create run dir" in caplog.text
+    verify_checkpoint(fast / "step-000000002", full=True)
+    w.close(timeout=0)
+
+
 def test_ranks_without_one_shared_scratch_dir_commit_to_the_run_dir(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from torch.distributed.checkpoint.planner import SavePlan
 
