@@ -178,15 +178,16 @@ _Placed = tuple[str, int, Any, list[int]]
 
 def _layout(path: Path, header: dict[str, Any], data_len: int) -> list[_Entry]:
     entries: list[_Entry] = []
+    dtypes: dict[str, Any] = {}  # a state of 10,000 tensors holds a few dtypes
     try:
         for key, info in header.items():
             if key == "__metadata__":
                 continue
-            begin, end = (int(x) for x in info["data_offsets"])
-            dtype = torch_dtype(info["dtype"])
-            shape = [int(d) for d in info["shape"]]
-            elsize = dtype.itemsize
-            if any(d < 0 for d in shape) or end - begin != math.prod(shape) * elsize:
+            # read_header checked the types: offsets and dims are ints, none negative.
+            begin, end = info["data_offsets"]
+            shape = info["shape"]
+            dtype = dtypes.get(info["dtype"]) or dtypes.setdefault(info["dtype"], torch_dtype(info["dtype"]))
+            if end - begin != math.prod(shape) * dtype.itemsize:
                 raise ValueError(f"tensor {key!r}: {end - begin} bytes do not fit shape {shape}")
             entries.append((key, dtype, shape, begin, end))
     except (KeyError, TypeError, ValueError) as e:
