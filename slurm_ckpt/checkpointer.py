@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +20,13 @@ from .metrics import Metrics
 from .placement import after_commit, choose, surface_drain_error
 from .ranks import rank_info
 from .sharded.job import ShardJob
+from .sharded.loader import load_checkpoint
 from .sharded.parts import holds_dtensor
 from .store import RunDir, Skipped, find_latest
 from .store.commit import WriteFn
-from .store.manifest import is_chunked
+from .store.load import Loader
 from .store.retention import reaped
 from .store.tiers import Tiers
-from .store.writer import placement
 
 __all__ = ["Checkpointer", "SaveHandle"]
 
@@ -333,28 +333,13 @@ class Checkpointer:
         what was read).
         """
         self._check_open()
-        placement(map_location)  # a function is refused before anything is read
-
-        def load_state(p: Path, m: Any, *, map_location: Any, trusted: bool) -> Any:
-            with self.metrics.time_load() as loaded:
-                if is_chunked(m):  # DTensor states: every rank its parts, at any world size
-                    from .sharded.loader import load_checkpoint
-
-                    if isinstance(map_location, Mapping):  # its chunks keep no device to map from
-                        raise ValueError(f"{p} holds sharded (DTensor) states, which load onto one device: pass "
-                                         "map_location as a device (map_location='cuda:0'), or into=")  # fmt: skip
-                    state = load_checkpoint(p, m, into=into, group=self.placement.group, trusted=trusted,
-                                            device=map_location, config=self.config)  # fmt: skip
-                else:
-                    state = self.engine.load(p, m, map_location=map_location, trusted=trusted, mmap=mmap, into=into)
-                loaded.append(int(m.nbytes or sum(r.size for r in m.files.values())))
-            return state
-
-        found = self.placement.load_latest(
-            lambda p, m: load_state(p, m, map_location=map_location, trusted=trusted), skipped
-        )
+        chunked = functools.partial(load_checkpoint, group=self.placement.group, config=self.config)
+        load = Loader(self.engine.reader(mmap=mmap), mmap=mmap, map_location=map_location, trusted=trusted,
+                      into=into, chunked=chunked)  # fmt: skip
+        found = self.placement.load_latest(load, skipped)
         if found is None:
             return None
+        self.metrics.loaded(load.seconds, load.nbytes)
         state, self.loaded_step, self.loaded_path = found
         return state
 

@@ -21,7 +21,7 @@ buffer, verified, and copied out.
 The reads run on a thread pool (they, the copies and the crc32 release the
 GIL). They bypass the page cache where the filesystem allows: ``O_DIRECT``
 reads of the aligned span into one of the engine's bounce buffers, copied to
-their place (``engine/reader.py``), in stretches of up to ``STRETCH`` bytes;
+their place (``engine/direct.py``), in stretches of up to ``STRETCH`` bytes;
 where ``O_DIRECT`` is refused, buffered ``preadv``.
 
 An item stored without block crcs (a tensor of a checkpoint that
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.buffers import ALIGN
-from ..engine.reader import open_direct, read_through_bounce  # the engine's own aligned reads
+from ..engine.direct import open_direct, read_through_bounce  # the engine's own aligned reads
 from ..errors import CheckpointCorrupt, storage_error
 from ..store.crc import crc32
 from ..store.fsutil import open_regular

@@ -1,7 +1,7 @@
 """The fast checkpoint engine: parallel O_DIRECT writes, async snapshots, parallel reads.
 
 It plugs into the store's commit protocol as the ``write`` function passed to
-``commit()`` and as the reader passed to ``load_state()``; the protocol itself
+``commit()``, and reads for ``load.py``, which owns a load; the protocol itself
 (fsync, manifest last, rename, fsync parent) is unchanged. Files are the same
 safetensors layout the reference writer produces, so each path reads the other's.
 
@@ -37,20 +37,17 @@ the opt-in one returns before that and needs the trainer's help
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ..config import SNAPSHOTS, EngineConfig
-from ..store.codec import encode_state
+from ..store.codec import encode_state, gc_paused
+from ..store.load import Loader, ReadFn
 from ..store.manifest import Manifest
 from ..store.tensorfile import FileRecord
-from ..store.writer import load_state
 from .handle import SaveHandle
 from .job import SaveJob
 from .layout import FileImage
@@ -77,24 +74,6 @@ def default_threads() -> int:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     return max(2, min(8, 2 * cores))
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic GC while a state's many small objects are built.
-
-    A training process tracks hundreds of thousands of objects (torch alone),
-    so full collections triggered by the allocations of encoding thousands of
-    tensors can cost more than the encoding itself, and each walks every
-    object. Nothing built here is cyclic garbage, so nothing is lost by waiting.
-    """
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _keep(t: Any) -> Any:
@@ -156,6 +135,13 @@ class Engine:
     def _overlap_caught(self) -> None:
         self._overlap_ok = False
 
+    def reader(self, *, mmap: bool = False) -> ReadFn:
+        """The parallel reader a load reads each data file with (``reader.py``)."""
+        # Reads are kept READ_DEPTH deep, not by cores; but a mapped file's threads are
+        # not waiting on reads: each checksums the mapping, on a core.
+        threads = self.threads if mmap else self.cfg.threads or READ_DEPTH
+        return functools.partial(read_tensor_file, threads=threads, chunk=self.cfg.chunk_size, use_mmap=mmap)
+
     def load(
         self,
         ckpt: Path,
@@ -171,18 +157,8 @@ class Engine:
         Tensors come back as ``torch.load`` gives them (``store/codec/``);
         with ``mmap``, on windows of the mapped files. ``into``: a state shaped
         like the saved one whose tensors are loaded into, in place where the
-        reader can (see ``reader``), matched by where they sit in it.
+        reader can (see ``reader``), matched by where they sit in it. The load
+        itself is ``store/load.py``'s.
         """
-        if into is not None and mmap:
-            raise ValueError("into= and mmap=True do not mix: mmap maps the file, into= reads into your tensors")
-        import torch
-
-        # Reads are kept READ_DEPTH deep, not by cores; but a mapped file's threads are
-        # not waiting on reads: each checksums the mapping, on a core.
-        threads = self.threads if mmap else self.cfg.threads or READ_DEPTH
-        read = functools.partial(read_tensor_file, threads=threads, chunk=self.cfg.chunk_size, use_mmap=mmap)
-        # no_grad: into= may hold parameters, which need grad (named_parameters()),
-        # and are copied into as load_state_dict copies into them.
-        with gc_paused(), torch.no_grad():
-            return load_state(ckpt, man, map_location=map_location, trusted=trusted, read=read, into=into)
-
+        return Loader(self.reader(mmap=mmap), mmap=mmap, map_location=map_location, trusted=trusted,
+                      into=into)(ckpt, man)  # fmt: skip

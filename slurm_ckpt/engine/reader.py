@@ -16,8 +16,10 @@ by checkpoint key: a large CPU one is read straight into its own memory,
 saved, which is the usual case; nothing fresh is allocated, so no page has to
 be zeroed, and the caller needs no second copy of the state. It is marked
 changed, as ``copy_`` marks what it writes. Others (small, on a GPU, not
-contiguous, or overlapping another target's memory, where reads would race)
-are copied in once the file is verified, in the order of ``into``.
+contiguous) are copied in once the file is verified, in the order of ``into``.
+Targets must not overlap one another in memory, where reads would race: the
+load's plan (``store/codec/into.py``) has found those and copies into them
+itself, in order, so the reader does not look again.
 
 Every tensor comes back on a storage of its own, as ``torch.load`` gives it:
 offset 0, exactly its size, not resizable, and starting at a multiple of 64
@@ -50,16 +52,16 @@ import stat
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..errors import CheckpointCorrupt, storage_error
-from ..fsinfo import direct_io_pays
-from ..store.codec import contiguous_strides, overlapping, torch_dtype
+from ..store.codec import contiguous_strides, torch_dtype
 from ..store.crc import crc32, crc32_combine, crc32_of_chunks, crc_threads
 from ..store.tensorfile import CHECKSUM, FileRecord, read_header
-from .buffers import ALIGN, HUGE, TORCH_ALIGN, address_of, huge_buffer, memory_view, pool, populate
+from .buffers import ALIGN, TORCH_ALIGN, address_of, huge_buffer, memory_view, populate
+from .direct import _Item, _items_into, _read_exactly, open_direct, read_through_bounce
 
-__all__ = ["READ_DEPTH", "open_direct", "read_tensor_file", "read_through_bounce"]
+__all__ = ["READ_DEPTH", "read_tensor_file"]
 
 READ_DEPTH = 8
 """Reads in flight by default, whatever the core count: a reading thread waits
@@ -82,10 +84,12 @@ def read_tensor_file(
 ) -> dict[str, Any]:
     """Every tensor of a safetensors-layout file, checked against ``expected``.
 
-    ``into``: tensors to load into, by key (see the module's docstring); the
-    result holds them. A dtype or shape that differs from the file's raises
-    ``ValueError`` before anything is read. On :class:`CheckpointCorrupt` those
-    read in place may hold part of the file.
+    ``into``: tensors to load into, by key, none overlapping another (see the
+    module's docstring); the result holds them. A dtype or shape that differs
+    from the file's header raises ``ValueError`` before anything is read: the
+    reads follow the header, so this guards the memory they write, whatever
+    the manifest said. On :class:`CheckpointCorrupt` those read in place may
+    hold part of the file.
 
     Raises :class:`CheckpointCorrupt` naming the file on a size, header or
     checksum mismatch, and :class:`StorageError` on an I/O error.
@@ -105,9 +109,6 @@ def read_tensor_file(
             if targets and use_mmap:
                 raise ValueError("into= and mmap=True do not mix: mmap maps the file, into= reads into your tensors")
             in_place = {k: t for k, t in targets.items() if _in_place(t)}
-            if in_place:  # none of them where it overlaps another target
-                shared = overlapping(targets)
-                in_place = {k: t for k, t in in_place.items() if k not in shared}
             with _suppress_unsupported():
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             if use_mmap:
@@ -177,15 +178,16 @@ _Placed = tuple[str, int, Any, list[int]]
 
 def _layout(path: Path, header: dict[str, Any], data_len: int) -> list[_Entry]:
     entries: list[_Entry] = []
+    dtypes: dict[str, Any] = {}  # a state of 10,000 tensors holds a few dtypes
     try:
         for key, info in header.items():
             if key == "__metadata__":
                 continue
-            begin, end = (int(x) for x in info["data_offsets"])
-            dtype = torch_dtype(info["dtype"])
-            shape = [int(d) for d in info["shape"]]
-            elsize = dtype.itemsize
-            if any(d < 0 for d in shape) or end - begin != math.prod(shape) * elsize:
+            # read_header checked the types: offsets and dims are ints, none negative.
+            begin, end = info["data_offsets"]
+            shape = info["shape"]
+            dtype = dtypes.get(info["dtype"]) or dtypes.setdefault(info["dtype"], torch_dtype(info["dtype"]))
+            if end - begin != math.prod(shape) * dtype.itemsize:
                 raise ValueError(f"tensor {key!r}: {end - begin} bytes do not fit shape {shape}")
             entries.append((key, dtype, shape, begin, end))
     except (KeyError, TypeError, ValueError) as e:
@@ -223,22 +225,6 @@ def _regions(layout: list[_Entry], start: int) -> list[tuple[int, int, list[_Ent
     if run:
         out.append((start + run[0][3], start + run[-1][4], run))
     return out
-
-
-class _Item(NamedTuple):
-    """One read: ``[off, off + n)`` of the file into ``addr``, of which the bytes
-    ``[wb, wb + wn)`` are the file's own (checksummed, each file byte exactly once)."""
-
-    off: int
-    n: int
-    addr: int
-    wb: int
-    wn: int
-    exact: bool = False
-    """Place exactly ``[wb, wb + wn)`` at ``addr``: memory that is not ours, where an
-    aligned read would spill past the tensor or cannot line up. It is read aligned
-    into a bounce buffer and copied; not through the page cache, whose readahead
-    would fetch again what the O_DIRECT reads fetch."""
 
 
 def _read(
@@ -403,51 +389,6 @@ def _window(store: Any, buffer: Any, off: int, dtype: Any, shape: list[int]) -> 
     return t
 
 
-def _items_into(addr: int, rb: int, re: int, chunk: int) -> list[_Item]:
-    """Reads of the file bytes ``[rb, re)`` into the caller's memory at ``addr``.
-
-    Where the memory's offset within a page matches the file's (as when the
-    tensor was saved from an allocation like it), its whole 2 MiB pages (else
-    its whole 4 KiB pages) are read straight into it, and only the bytes at the
-    two ends go through a bounce buffer; otherwise all of it does. Nothing is
-    ever written outside ``[addr, addr + re - rb)``.
-    """
-    lo, hi = -(-rb // ALIGN) * ALIGN, re // ALIGN * ALIGN
-    if (addr - rb) % ALIGN or hi <= lo:
-        lo = hi = rb  # nothing lines up: all of it through a bounce buffer
-    else:
-        # Only the 2 MiB-aligned stretch of an allocation can be huge pages (torch's
-        # are not aligned to 2 MiB). A read into 4 KiB pages costs the disk a segment
-        # per page: the rest costs about as much through a bounce buffer, and at times
-        # far less (``python -m bench.read_contention`` compares them).
-        h0, h1 = -(-(addr + lo - rb) // HUGE) * HUGE, (addr + hi - rb) // HUGE * HUGE
-        if h1 > h0:
-            lo, hi = h0 - addr + rb, h1 - addr + rb
-    items: list[_Item] = []
-
-    def span(a: int, b: int, exact: bool) -> None:
-        for o in range(a, b, chunk):
-            m = min(chunk, b - o)
-            items.append(_Item(o, m, addr + o - rb, o, m, exact))
-
-    span(rb, lo, True)
-    span(lo, hi, False)
-    span(hi, re, True)
-    return items
-
-
-def read_through_bounce(dfd: int, path: Path, addr: int, wb: int, wn: int, chunk: int) -> None:
-    """Read the file bytes ``[wb, wb + wn)`` (at most ``chunk``) to ``addr`` with aligned reads."""
-    a0, a1 = wb - wb % ALIGN, -(-(wb + wn) // ALIGN) * ALIGN
-    buf = pool.acquire(chunk + 2 * ALIGN)
-    try:
-        base = address_of(buf)
-        _read_exactly(dfd, path, memory_view(base, a1 - a0), a0, wb + wn - a0)
-        ctypes.memmove(addr, base + wb - a0, wn)
-    finally:
-        pool.release(buf)
-
-
 _HUGE_STORAGE = 4 << 20
 
 
@@ -466,32 +407,6 @@ def _fault_in(spans: list[tuple[int, int]], stop: threading.Event) -> None:
     for addr, n in spans:
         if stop.is_set() or not populate(addr, n):
             return
-
-
-def open_direct(path: Path) -> int:
-    """``path`` opened read-only with ``O_DIRECT``, or -1 where the filesystem refuses it
-    or runs it slower than buffered reads (``fsinfo.direct_io_pays``)."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag or not direct_io_pays(path.parent):
-        return -1
-    try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | flag)
-    except OSError as e:
-        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-            return -1
-        raise
-
-
-def _read_exactly(fd: int, path: Path, view: memoryview, off: int, need: int) -> None:
-    """Fill ``view`` from ``off``; at least ``need`` bytes must exist (EOF may cut the rest)."""
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], off + got)
-        if n == 0:
-            break
-        got += n
-    if got < need:
-        raise CheckpointCorrupt(f"{path}: unexpected end of file at byte {off + got}", path)
 
 
 def _map(

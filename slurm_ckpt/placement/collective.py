@@ -141,7 +141,7 @@ class Collective:
         and verifies its checksums.
         """
         g = self.group
-        cands = iter_valid(self.search_dirs, full=False, skipped=skipped) if g.rank == 0 else None
+        cands = iter_valid(self.search_dirs, full=False, skipped=skipped, parse=False) if g.rank == 0 else None
         while True:
             cand = next(cands, None) if cands is not None else None
             where = g.broadcast(None if cand is None else cand.path.name)

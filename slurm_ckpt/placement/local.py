@@ -112,7 +112,7 @@ class Local:
         return flag
 
     def load_latest(self, load: Load, skipped: list[Skipped] | None) -> tuple[Any, int, Path] | None:
-        for cand in iter_valid(self.search_dirs, full=False, skipped=skipped):
+        for cand in iter_valid(self.search_dirs, full=False, skipped=skipped, parse=False):
             try:
                 return load(cand.path, cand.manifest), cand.step, cand.path
             except CheckpointCorrupt as e:

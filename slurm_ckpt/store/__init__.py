@@ -14,10 +14,10 @@ from ..errors import storage_error
 
 if TYPE_CHECKING:
     from .commit import WriteFn
+    from .load import load_state
     from .manifest import Manifest
     from .transfer import copy_checkpoint
     from .verify import Candidate, Skipped, find_latest, iter_valid, note_skip, verify_checkpoint
-    from .writer import load_state
 
 __all__ = [
     "Candidate",
@@ -45,7 +45,7 @@ _HOME = {
     "copy_checkpoint": "transfer",
     "find_latest": "verify",
     "iter_valid": "verify",
-    "load_state": "writer",
+    "load_state": "load",
     "note_skip": "verify",
     "verify_checkpoint": "verify",
 }

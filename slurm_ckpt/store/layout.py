@@ -1,5 +1,5 @@
-"""Names inside a run dir (committed ``step-N`` dirs, in-flight ``.tmp-`` dirs) and in a job's
-scratch (the fast tier's run dir, its tier file).
+"""Names inside a run dir (committed ``step-N`` dirs, in-flight ``.tmp-`` dirs), inside a
+checkpoint (its small files), and in a job's scratch (the fast tier's run dir, its tier file).
 
 The node hooks import this module alone, so it imports nothing of the store.
 """
@@ -13,6 +13,8 @@ from pathlib import Path
 __all__ = [
     "FAST_SUBDIR",
     "LOCK_NAME",
+    "OBJECTS_FILE",
+    "STATE_FILE",
     "TIER_FILE",
     "fast_dir",
     "list_steps",
@@ -28,6 +30,10 @@ LOCK_NAME = ".lock"
 TIER_FILE = "TIER.json"
 """In a job's scratch run dir: where its checkpoints go, and how many it keeps (see ``tiers``)."""
 FAST_SUBDIR = "ckpt"
+STATE_FILE = "state.json"
+"""In a checkpoint: its tree (``codec``), the state but for the tensors' bytes."""
+OBJECTS_FILE = "objects.pkl"
+"""In a checkpoint saved with ``allow_pickle``: the objects the tree could not hold."""
 
 
 def fast_dir(scratch: Path) -> Path:

@@ -58,9 +58,11 @@ that tensor), else as its bytes, 1-D.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,7 @@ __all__ = [
     "array_tensor",
     "contiguous_strides",
     "copied_into",
+    "gc_paused",
     "is_dtensor",
     "namespace",
     "path_parts",
@@ -82,6 +85,26 @@ __all__ = [
     "torch_dtype_name",
     "transposed",
 ]
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic GC while a state's many small objects are built
+    (encoded or decoded).
+
+    A training process tracks hundreds of thousands of objects (torch alone),
+    so full collections triggered by the allocations of encoding thousands of
+    tensors can cost more than the encoding itself, and each walks every
+    object. Nothing built here is cyclic garbage, so nothing is lost by waiting.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
 
 # safetensors' dtype names. The float8 ones: FP8 training's on NVIDIA GPUs (torch
 # >= 2.1), on AMD's (FNUZ, torch >= 2.2), and the MX formats' scales (E8M0, torch
