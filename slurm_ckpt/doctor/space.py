@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from ..fsinfo import free_inodes
 from .finding import Context, Report, Severity, fmt_bytes
 
 __all__ = ["check_space"]
@@ -33,8 +34,8 @@ def check_space(report: Report, ctx: Context) -> None:
         report.add("space", Severity.WARN, msg + ": little room left", fix, **data)
     else:
         report.add("space", Severity.OK, msg, **data)
-    if sv.f_files == 0 or sv.f_favail < 0:
-        return  # btrfs has no fixed inode count; CephFS reports its free inodes as -1
+    if free_inodes(sv) is None:
+        return
     imsg = f"{sv.f_favail} of {sv.f_files} inodes free"
     ifix = "delete small files (old checkpoints, logs) on this filesystem"
     if sv.f_favail < 100:

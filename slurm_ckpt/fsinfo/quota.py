@@ -23,6 +23,7 @@ __all__ = [
     "Quota",
     "QuotaUsage",
     "ceph_quotas",
+    "free_inodes",
     "get_project",
     "get_quota",
     "parse_quota_lines",
@@ -168,6 +169,12 @@ class DirQuota:
     max_files: int
     used_bytes: int
     used_files: int
+
+
+def free_inodes(vfs: os.statvfs_result) -> int | None:
+    """The inodes left for unprivileged users, or None where the filesystem has no
+    fixed count: btrfs reports 0 inodes in all, CephFS -1 free."""
+    return None if vfs.f_files == 0 or vfs.f_favail < 0 else vfs.f_favail
 
 
 def _xattr_int(path: str, name: str) -> int:

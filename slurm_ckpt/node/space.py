@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..config import format_size
-from ..fsinfo import CEPH_FS, QuotaUsage, ceph_quotas, mount_of, user_quota
+from ..fsinfo import CEPH_FS, QuotaUsage, ceph_quotas, free_inodes, mount_of, user_quota
 from ..store.layout import STEP_RE
 from . import commands
 from .job import Job
@@ -117,7 +117,7 @@ def check_shared(root: str, job: Job, keep: int, expected: int | None, expected_
     if chk.need_bytes > chk.free_bytes:
         chk.warnings.append(f"the checkpoint storage {root} has {format_size(chk.free_bytes)} free; "
                             f"this job needs up to {format_size(chk.need_bytes)} for {plan}")  # fmt: skip
-    if vfs.f_files and chk.free_inodes < chk.need_inodes:
+    if free_inodes(vfs) is not None and chk.free_inodes < chk.need_inodes:
         chk.warnings.append(f"the checkpoint storage {root} has only {chk.free_inodes} free inodes")
     mount = mount_of(root, dev=dev)
     if mount is not None:

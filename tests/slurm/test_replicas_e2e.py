@@ -32,7 +32,7 @@ import pytest
 
 from slurm_ckpt.store import verify_checkpoint
 from slurm_ckpt.store.manifest import is_chunked
-from tests.slurm.harness import HERE, Cluster, Job
+from tests.slurm.harness import HERE, Cluster, Job, poll
 from tests.slurm.test_fsdp_requeue_e2e import _START, reference
 from tests.slurm.test_multinode_e2e import Hooks, _kill_node
 from tests.slurm.wrapped import PYTHON, SLURM_CKPT
@@ -62,6 +62,10 @@ def test_fsdp2_step_on_scratch_only_survives_a_lost_node_through_replicas_and_re
             'srun -N "$SLURM_NNODES" -n "$SLURM_NNODES" '
             f"{SLURM_CKPT} run -- {PYTHON} {TRAINER} --out {slurm_workdir}/out --steps {STEPS} --every {EVERY} "
             "--step-time 0.1\n")  # fmt: skip
+    # Slurm starts a --nodes=2-3 job on 2 nodes if only 2 are free then: wait for all 3
+    # (an earlier test's lost node may still be coming back).
+    for node in slurm_cluster3.node_names:
+        poll(f"{node} idle", lambda n=node: slurm_cluster3.node_state(n).upper().split("+")[0] == "IDLE" or None, 120)
     t0 = time.time()
     # A range of node counts, as docs/replicas.md says: the requeued job starts on the nodes left.
     job = slurm_cluster3.sbatch(body, "--nodes=2-3", "--ntasks-per-node=1", "--requeue",
