@@ -1,4 +1,5 @@
-"""One results table per release, made from the bench's JSON: ``python -m bench.results FILE.json``.
+"""One results table per release, made from the bench's JSON: ``python -m bench.results FILE.json``;
+``python -m bench.results --by-fs A.json B.json`` puts runs on several filesystems side by side.
 
 ``docs/results/<version>.json`` holds the run a release's table in
 ``docs/performance.md`` is made from; a test checks the two agree.
@@ -14,7 +15,7 @@ from typing import Any
 
 from .report import _best, _by, _floor, _limit, _median
 
-__all__ = ["results_table", "summary"]
+__all__ = ["by_filesystem", "results_table", "summary"]
 
 
 def _ratio(num: float, den: float) -> str:
@@ -66,7 +67,43 @@ def results_table(doc: dict[str, Any], version: str) -> str:
     return "\n".join(lines)
 
 
+def by_filesystem(docs: dict[str, dict[str, Any]]) -> str:
+    """One table, a column per filesystem: each method's median speed, then our
+    save and load against the best peer and the filesystem's raw limit."""
+    cols = list(docs)
+    rows: list[tuple[str, list[str]]] = []
+
+    def speed(doc: dict[str, Any], kind: str, name: str) -> float:
+        r = [r for r in _by(doc["results"], kind) if r["name"] == name]
+        return doc["info"]["nbytes"] / float(r[0]["median"]) / 1e9 if r else math.nan
+
+    def limit(doc: dict[str, Any], kind: str) -> float:
+        return doc["info"]["nbytes"] / _limit(_by(doc["results"], kind), _median) / 1e9
+
+    def peers(doc: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+        return [r for r in _by(doc["results"], kind) if not r["name"].startswith(("raw", "ours"))
+                and "into" not in r["name"]]  # fmt: skip
+
+    for kind, ours in (("write", "ours sync"), ("read", "ours")):
+        verb = "save" if kind == "write" else "load"
+        names = [r["name"] for r in _by(docs[cols[0]]["results"], kind)]
+        rows.append((f"**{verb}, GB/s**", ["" for _ in cols]))
+        rows.append(("raw (the faster of O_DIRECT and buffered)", [f"{limit(docs[c], kind):.2f}" for c in cols]))
+        rows += [(n, [f"{speed(docs[c], kind, n):.2f}" for c in cols]) for n in names if not n.startswith("raw")]
+        best = [max(peers(docs[c], kind), key=lambda r: -float(r["median"])) for c in cols]
+        rows.append((f"ours {verb}, x the best peer", [
+            f"{_ratio(float(b['median']), docs[c]['info']['nbytes'] / speed(docs[c], kind, ours) / 1e9)} ({b['name']})"
+            for b, c in zip(best, cols, strict=True)]))  # fmt: skip
+        rows.append((f"ours {verb}, x raw", [_ratio(speed(docs[c], kind, ours), limit(docs[c], kind)) for c in cols]))
+    out = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    out += [f"| {label} | " + " | ".join(vals) + " |" for label, vals in rows]
+    return "\n".join(out)
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--by-fs"]:
+        print(by_filesystem({Path(a).stem: json.loads(Path(a).read_text()) for a in argv[1:]}))
+        return 0
     for arg in argv:
         path = Path(arg)
         print(results_table(json.loads(path.read_text()), path.stem) + "\n")

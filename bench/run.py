@@ -119,6 +119,7 @@ def run_bench(
     writers: list[tuple[str, Callable[[], Any], Path]] = [
         ("raw O_DIRECT", lambda: raw.write(root / "raw.bin", 1), root / "raw.bin"),
         (f"raw O_DIRECT x{cores * 2}", lambda: raw.write(root / "raw.bin", cores * 2), root / "raw.bin"),
+        ("raw buffered+fsync", lambda: raw.write(root / "raw.bin", 1, direct=False), root / "raw.bin"),
         ("torch.save+fsync", lambda: torch_save(state, root / "torch.pt"), root / "torch.pt"),
         (f"DCP (threads={cores})", lambda: dcp_save(dcp_state, root / "dcp", cores), root / "dcp"),
         ("safetensors+fsync", lambda: st_save(flat, root / "st.safetensors"), root / "st.safetensors"),
@@ -129,6 +130,7 @@ def run_bench(
     readers: list[tuple[str, Callable[[], Any], list[Path]]] = [
         ("raw O_DIRECT", lambda: raw.read(root / "raw.bin", 1), [root / "raw.bin"]),
         (f"raw O_DIRECT x{cores * 2}", lambda: raw.read(root / "raw.bin", cores * 2), [root / "raw.bin"]),
+        ("raw buffered", lambda: raw.read(root / "raw.bin", 1, direct=False), [root / "raw.bin"]),
         ("torch.load", lambda: torch.load(root / "torch.pt", weights_only=True), [root / "torch.pt"]),
         (f"DCP (threads={cores})", lambda: dcp_load(dcp_state, root / "dcp"), [root / "dcp"]),
         ("safetensors load_file", lambda: st_load(root / "st.safetensors"), [root / "st.safetensors"]),

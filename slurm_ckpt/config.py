@@ -139,9 +139,11 @@ class StorageConfig:
     the job runs; false leaves that to the epilog's stage-out after the job (no checkpoint
     traffic on shared storage during training, but only scratch holds them until then)."""
     hang_timeout: Duration = Duration(60)
-    """Seconds a save waits for the durable run dir's storage to answer (a hung file server)
-    before it gives up: with node-local scratch the checkpoint commits there and is copied
-    later; without, the save fails with StorageHung and training goes on."""
+    """Seconds without an answer from the durable run dir's storage (no write, fsync or copied
+    chunk returns: a hung file server) before a save gives up; storage that is slow but answers
+    is not hung. With node-local scratch the checkpoint commits there and is copied later;
+    without, the save fails with StorageHung and training goes on. It bounds a Checkpointer in
+    one process; the saves of several ranks wait for the storage."""
     stage_out_roots: tuple[str, ...] = ()
     """Dirs the epilog's stage-out may write under: a job's TIER.json naming a durable run
     dir elsewhere is refused (its checkpoint goes to <root>/<user>/job_<id>); empty: root only."""

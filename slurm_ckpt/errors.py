@@ -160,11 +160,12 @@ class NoSpace(StorageError):
 
 
 class StorageHung(StorageError, TimeoutError):
-    """The durable storage did not answer within ``storage.hang_timeout`` seconds.
+    """The durable storage gave no answer for ``storage.hang_timeout`` seconds.
 
     The call still hangs in a worker that the caller no longer waits for; the
     save it belonged to is not committed (the previous checkpoint stays the
-    newest valid one) and training can go on.
+    newest valid one; one given up during its final rename may still appear,
+    whole, when the storage returns) and training can go on.
     """
 
     def __init__(self, path: str | os.PathLike[str], seconds: float, what: str = "saving a checkpoint") -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from ..errors import storage_error
 from ..fsinfo import direct_io_pays
+from ..store.bounded import ticker
 from ..store.crc import crc32, crc32_of_chunks, crc_threads
 from ..store.fsutil import fsync_file, preallocate
 from ..store.tensorfile import FileRecord
@@ -119,6 +120,9 @@ class _Job:
         self.fd = fd
         self.dfd = dfd
         self.cancel = cancel
+        # Built on the committing thread: its writer threads tell a bounded commit
+        # (store/bounded.py) that the storage still answers.
+        self.progress = ticker()
         self.direct_ok = dfd >= 0
         # One (crc, length) per segment, in file order.
         self.crcs: list[list[tuple[int, int]]] = [[(0, 0)] * len(w.segments) for w in writes]
@@ -196,6 +200,7 @@ class _Job:
                 if bounce is None and not all(self._in_place(seg) for seg in w.segments):
                     bounce = pool.acquire(self.chunk)
                 self._write(k, w, bounce)
+                self.progress()
         finally:
             if bounce is not None:
                 pool.release(bounce)

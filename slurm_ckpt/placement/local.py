@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,21 @@ class _BoundedDir:
         return self.bound.call(lambda: self.run_dir.commit(step, write, **meta), f"saving checkpoint {step}")
 
 
+class _Stalls:
+    """One 0/1 gauge fed by two sources (a given-up commit, a stalled drain):
+    stalled while either is."""
+
+    def __init__(self, out: Callable[[bool], None]) -> None:
+        self.out, self.count, self.lock = out, 0, threading.Lock()
+
+    def __call__(self, on: bool) -> None:
+        with self.lock:
+            was = self.count > 0
+            self.count += 1 if on else -1
+            if (self.count > 0) != was:
+                self.out(self.count > 0)
+
+
 class Local:
     """One process's checkpoints: the run dir, with an optional scratch tier in front
     (``store/tiers.py``)."""
@@ -64,6 +80,7 @@ class Local:
               lock_timeout: float | None = 0, on_lag: Callable[[float], None] | None = None,
               on_stall: Callable[[bool], None] | None = None) -> Local:  # fmt: skip
         """A Local placement, with tiers when ``fast`` (``<scratch>/ckpt``) can be used."""
+        on_stall = _Stalls(on_stall) if on_stall is not None else None
         tiers = None
         if fast is not None:
             tiers = Tiers(RunDir(fast, lock_timeout=lock_timeout), run_dir, keep=keep,

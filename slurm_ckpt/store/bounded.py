@@ -4,11 +4,15 @@ A write, an ``fsync`` or a ``statfs`` on a hung network filesystem (CephFS
 through ``ceph-fuse`` with its servers stopped, GlusterFS before its ping
 timeout) blocks in the kernel, in a state no signal ends. So the bound cannot
 be a kill: the call runs on a worker thread (started before anything touches
-the mount), and the caller stops waiting for it after ``storage.hang_timeout``
-seconds. The worker is abandoned, not stopped; when the storage comes back it
+the mount), and the caller stops waiting for it once the storage has made no
+:func:`progress` for ``storage.hang_timeout`` seconds. Slow storage that keeps
+answering is not hung: each write, ``fsync`` and copied chunk restarts the
+clock. The worker is abandoned, not stopped; when the storage comes back it
 finishes its call and then, at :func:`check_live`, gives up before the commit
-can make the abandoned checkpoint visible (see ``commit.py``), so a save that
-was reported failed commits nothing written after it was given up.
+writes its manifest or renames (see ``commit.py``), so a save that was
+reported failed commits nothing written after it was given up. A worker given
+up during that rename (or the fsyncs around it) can still complete it: the
+checkpoint then appears, whole, when the storage returns.
 
 One worker may be stuck per directory: while it is, later calls fail at once
 instead of piling up more stuck threads.
@@ -26,13 +30,44 @@ from typing import TypeVar
 
 from ..errors import StorageHung
 
-__all__ = ["Bound", "check_live", "stall_watch"]
+__all__ = ["Bound", "check_live", "progress", "stall_watch", "ticker"]
 
 log = logging.getLogger("slurm_ckpt")
 
 T = TypeVar("T")
 
 _worker = threading.local()
+
+
+class _Clock:
+    """When the storage last answered one bounded call."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def tick(self) -> None:
+        self.last = time.monotonic()
+
+    def idle(self) -> float:
+        return time.monotonic() - self.last
+
+
+def progress() -> None:
+    """Note that the storage answered (a write, an fsync, a copied chunk): the
+    bounded call or watched block this thread runs in is not hung."""
+    clock: _Clock | None = getattr(_worker, "clock", None)
+    if clock is not None:
+        clock.tick()
+
+
+def _nothing() -> None:
+    pass
+
+
+def ticker() -> Callable[[], None]:
+    """:func:`progress` of this thread's call, for the I/O threads it starts."""
+    clock: _Clock | None = getattr(_worker, "clock", None)
+    return clock.tick if clock is not None else _nothing
 
 
 def check_live() -> None:
@@ -48,7 +83,8 @@ def check_live() -> None:
 
 
 class Bound:
-    """Calls on one directory's storage, each given up after ``timeout`` seconds.
+    """Calls on one directory's storage, each given up after ``timeout`` seconds
+    without :func:`progress`.
 
     ``on_stall(True)`` is called when a call is given up, ``on_stall(False)``
     when that call returns at last (the ``durable_stalled`` metric).
@@ -68,7 +104,8 @@ class Bound:
 
     def call(self, fn: Callable[[], T], what: str = "saving a checkpoint", *, extra: float | None = 0.0) -> T:
         """``fn()`` on a worker thread; its result or error, or :class:`StorageHung`
-        once ``timeout`` seconds pass (or at once while an earlier call is still stuck).
+        once ``timeout`` seconds pass without progress (or at once while an
+        earlier call is still stuck).
 
         ``extra``: seconds the call may wait on purpose on top (for a lock
         another writer holds); None waits without bound.
@@ -79,8 +116,10 @@ class Bound:
         out: list[T] = []
         err: list[BaseException] = []
 
+        clock = _Clock()
+
         def run() -> None:
-            _worker.bound = self
+            _worker.bound, _worker.clock = self, clock
             try:
                 out.append(fn())
             except BaseException as e:  # handed to the caller, or logged once it gave up
@@ -100,14 +139,14 @@ class Bound:
         worker = threading.Thread(target=run, name="slurm-ckpt-durable-io", daemon=True)
         started = time.monotonic()
         worker.start()
-        if not done.wait(None if extra is None else self.timeout + extra):
+        if not _wait(done, clock, None if extra is None else self.timeout + extra):
             with self._lock:
                 if not done.is_set():  # else it returned just now: its result stands
                     self.abandoned = worker
                     self._stall(True)
             if self.abandoned is worker:
-                log.error("%s in %s: no answer in %.1fs; giving up on it (it may still finish "
-                          "when the storage is back, but commits nothing)", what, self.path,
+                log.error("%s in %s: no answer in %.1fs (%.1fs since the call began); giving up on it "
+                          "(it may still finish when the storage is back)", what, self.path, clock.idle(),
                           time.monotonic() - started)  # fmt: skip
                 raise StorageHung(self.path, self.timeout, what)
         if err:
@@ -119,28 +158,46 @@ class Bound:
             self._on_stall(on)
 
 
+def _wait(done: threading.Event, clock: _Clock, limit: float | None) -> bool:
+    """Wait for ``done`` until ``clock`` has been idle for ``limit`` seconds; whether it was set."""
+    if limit is None:
+        return done.wait()
+    while not done.wait(max(0.0, limit - clock.idle())):
+        if clock.idle() >= limit:
+            return done.is_set()
+    return True
+
+
 @contextlib.contextmanager
 def stall_watch(timeout: float, on_stall: Callable[[bool], None]) -> Iterator[None]:
-    """Call ``on_stall(True)`` if the block runs past ``timeout`` seconds, and
-    ``on_stall(False)`` when it then ends. For I/O already off the trainer's
-    thread (the tier drain), which only needs the stall to be seen."""
-    lock = threading.Lock()
-    state = {"stalled": False, "ended": False}
+    """Call ``on_stall(True)`` once the block has made no :func:`progress` for
+    ``timeout`` seconds, and ``on_stall(False)`` when it moves again or ends.
+    For I/O already off the trainer's thread (the tier drain), which only needs
+    the stall to be seen."""
+    clock = _Clock()
+    ended = threading.Event()
 
-    def fire() -> None:
-        with lock:
-            if not state["ended"]:
-                state["stalled"] = True
-                on_stall(True)
+    def watch() -> None:
+        stalled = False
+        while True:
+            idle = clock.idle()
+            if stalled != (idle >= timeout):
+                stalled = not stalled
+                on_stall(stalled)
+            # While stalled, look again soon: the storage may answer at any moment.
+            wait = min(1.0, timeout / 4) if stalled else timeout - idle
+            if ended.wait(max(0.0, wait)):
+                break
+        if stalled:
+            on_stall(False)
 
-    timer = threading.Timer(timeout, fire)
-    timer.daemon = True
-    timer.start()
+    watcher = threading.Thread(target=watch, name="slurm-ckpt-stall-watch", daemon=True)
+    outer = getattr(_worker, "clock", None)
+    _worker.clock = clock
+    watcher.start()
     try:
         yield
     finally:
-        timer.cancel()
-        with lock:
-            state["ended"] = True
-            if state["stalled"]:
-                on_stall(False)
+        _worker.clock = outer
+        ended.set()
+        watcher.join()

@@ -16,6 +16,7 @@ import stat
 from pathlib import Path
 
 from ..errors import storage_error
+from .bounded import progress
 
 __all__ = [
     "empty_dir",
@@ -107,6 +108,7 @@ def fsync_file(fd: int, path: str | os.PathLike[str]) -> None:
         # A failed fsync means the page cache may have dropped our data (the
         # "fsyncgate" lesson): the file must never be committed after this.
         raise storage_error(e, "fsync failed", path) from e
+    progress()
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

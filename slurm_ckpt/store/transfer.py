@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorrupt, NoSpace, storage_error
+from .bounded import progress
 from .commit import commit
 from .crc import crc32
 from .fsutil import fsync_file, open_regular
@@ -79,6 +80,7 @@ def copy_file(src: Path, dst_dir: int, name: str, expected: FileRecord, *, shown
                 while out:
                     out = out[os.write(dfd, out) :]
                 size += n
+                progress()
             fsync_file(dfd, shown)
         finally:
             os.close(dfd)
