@@ -12,8 +12,8 @@ mount namespace is SIGKILLed (slurmd, slurmstepd, the task) and its link cut,
 so its tmpfs scratch is gone with it. Slurm marks it down and requeues the
 job (NODE_FAIL). The two surviving nodes' epilogs stage out their own shards
 and the replicas they hold: between them, all three shards of step 100,
-assembled on the durable tier. The job, cut to the 2 nodes that are left,
-resumes from step 100 at world size 2 and trains to the end; its final
+assembled on the durable tier. The job (``--nodes=2-3 --ntasks=3``) starts
+again on the 2 nodes that are left, with no one changing it, resumes from step 100 at world size 2 and trains to the end; its final
 parameters and AdamW moments equal, bit for bit, an uninterrupted run's.
 
 The timeline (commit, loss, requeue, resume, done) goes to the figures summary.
@@ -67,8 +67,9 @@ def test_fsdp2_step_on_scratch_only_survives_a_lost_node_through_replicas_and_re
     for node in slurm_cluster3.node_names:
         poll(f"{node} idle", lambda n=node: slurm_cluster3.node_state(n).upper().split("+")[0] == "IDLE" or None, 120)
     t0 = time.time()
-    # A range of node counts, as docs/replicas.md says: the requeued job starts on the nodes left.
-    job = slurm_cluster3.sbatch(body, "--nodes=2-3", "--ntasks-per-node=1", "--requeue",
+    # A range of node counts and the most nodes' tasks, as docs/replicas.md says: the
+    # requeued job starts on the nodes left (--ntasks-per-node=1 would start it on 2).
+    job = slurm_cluster3.sbatch(body, "--nodes=2-3", "--ntasks=3", "--requeue",
                                 "--comment=ckpt_scratch=24M ckpt_size=1M ckpt_replicas=1",
                                 workdir=slurm_workdir, name="replicas")  # fmt: skip
     job.wait_running(timeout=90)
