@@ -90,7 +90,7 @@ def by_filesystem(docs: dict[str, dict[str, Any]]) -> str:
         rows.append((f"**{verb}, GB/s**", ["" for _ in cols]))
         rows.append(("raw (the faster of O_DIRECT and buffered)", [f"{limit(docs[c], kind):.2f}" for c in cols]))
         rows += [(n, [f"{speed(docs[c], kind, n):.2f}" for c in cols]) for n in names if not n.startswith("raw")]
-        best = [max(peers(docs[c], kind), key=lambda r: -float(r["median"])) for c in cols]
+        best = [min(peers(docs[c], kind), key=_median) for c in cols]
         rows.append((f"ours {verb}, x the best peer", [
             f"{_ratio(float(b['median']), docs[c]['info']['nbytes'] / speed(docs[c], kind, ours) / 1e9)} ({b['name']})"
             for b, c in zip(best, cols, strict=True)]))  # fmt: skip
