@@ -298,6 +298,7 @@ def _stopped(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "T"
 
 
+@pytest.mark.slow  # the freeze outlasts the 5 s timeout
 def test_a_wrapper_thawed_with_its_ranks_reports_no_hang(tmp_path: Path) -> None:
     """A wrapper stopped with its ranks (SIGSTOP, a frozen node) for longer than the timeout
     did not see them idle: thawed, it reports no hang, and the ranks go on and finish.
