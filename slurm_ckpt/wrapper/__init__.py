@@ -83,7 +83,9 @@ load counts as progressing):
   22.05 takes these fields only once the job is pending again).
 
 A hang exits ``HANG_EXIT`` (124) where nothing is requeued, 0 after a requeue.
-A command that never reports progress is never taken for hung.
+A command that never reports progress is never taken for hung, and time the
+wrapper itself did not run (stopped with its ranks: a frozen node) does not
+count as its ranks' idle time.
 
 Log lines (stderr, see ``events``), ``slurm-ckpt run: event=NAME key=value…``:
 ``start`` (run, rank, job, restarts, max_requeues, baseline, dir), ``child-start``

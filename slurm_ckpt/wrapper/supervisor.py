@@ -30,6 +30,10 @@ from .watchdog import Watchdog
 __all__ = ["RunResult", "SignalTrap", "Supervisor", "Timing"]
 
 
+WAKE = 1.0
+"""The longest the loop sleeps, seconds."""
+
+
 @dataclass(frozen=True)
 class Timing:
     """How long the wrapper may wait for a checkpoint (see the package docstring)."""
@@ -152,8 +156,15 @@ class Supervisor:
         self.child = child
         self.events.emit("child-start", pid=child.pid, cmd=" ".join(self.argv))
         preempt_at = None if self.preempt_after is None else time.monotonic() + self.preempt_after
+        woke = time.monotonic()
         while self.res.status is None:
             now = time.monotonic()
+            if self.watchdog is not None:
+                # The loop wakes at least every WAKE seconds; a longer gap is time the
+                # wrapper did not run (SIGSTOP, a frozen node) while its ranks were
+                # likely stopped too. Thawed, it must not report a hang it never saw.
+                self.watchdog.pause(max(now - woke - WAKE, 0.0))
+            woke = now
             if preempt_at is not None and now >= preempt_at:
                 preempt_at = None
                 self.events.emit("preempt-after", signal=_name(self.sig))
@@ -171,10 +182,10 @@ class Supervisor:
                                  ranks=" ".join(f"{r.pid}:{r.step}:{r.where}:{r.idle:.1f}" for r in self.res.hang.ranks),
                                  msg="no step progress on this node; ending its ranks without a checkpoint")  # fmt: skip
                 break
-            # The 1 s cap is a safety net only: a Python-level handler can run
+            # The WAKE cap is a safety net only: a Python-level handler can run
             # just after take() drained its wakeup byte; events normally wake us.
             timers = [t - now for t in (preempt_at, self.deadline, stalled) if t is not None]
-            timeout = max(min([*timers, 1.0]), 0)
+            timeout = max(min([*timers, WAKE]), 0)
             with contextlib.suppress(InterruptedError):
                 select.select([self.trap.fileno(), self.server.fileno()], [], [], timeout)
             for signum in self.trap.take():

@@ -54,6 +54,12 @@ class Watchdog:
             r.changed = now
         r.step, r.where = msg.step, msg.where
 
+    def pause(self, seconds: float) -> None:
+        """Leave ``seconds`` out of every rank's idle time: the wrapper did not run
+        then (stopped with its ranks, its node frozen), so it saw no hang."""
+        for r in self.ranks.values():
+            r.changed += seconds
+
     def forget(self, pid: int) -> None:
         """A rank that exited stops counting."""
         self.ranks.pop(pid, None)

@@ -15,6 +15,13 @@ Then an FSDP2 job on all three nodes, whose rank on node3 hangs: requeued
 without node3 onto the two nodes left (NumNodes, NumTasks), it resumes from the
 3-rank checkpoint at 2 ranks.
 
+A dead node: at step 50 rank 1's trainer SIGSTOPs its own wrapper, then
+itself, so node2 (whose slurmd still answers) sends no heartbeat and writes no
+report. Node1's wrapper stalls, rank 0 waits 10 s more for node2's report,
+blames node2 for never reporting and requeues without it; the stopped
+processes are gone once the job is pending again, node2 is not drained, and
+the requeued run resumes from step 40 on node1 and node3 as above.
+
 The seconds from the hang to slurmctld's requeue, against the configured
 timeout, go to the figures summary.
 """
@@ -28,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from slurm_ckpt.store import find_latest, verify_checkpoint
+from slurm_ckpt.wrapper.watchdog import heartbeat_interval
 from tests.slurm.harness import HERE, Cluster, Job
 from tests.slurm.test_fsdp_requeue_e2e import reference as fsdp_reference
 from tests.slurm.wrapped import PYTHON, SLURM_CKPT, done_digests, requeue_log_times, runs, script
@@ -152,4 +160,95 @@ def test_fsdp2_on_every_node_hangs_and_resumes_on_the_nodes_left(
         f"  reproduce: .venv/bin/pytest {THIS}::test_fsdp2_on_every_node_hangs_and_resumes_on_the_nodes_left",
         f"  hang_timeout {TIMEOUT} s: hang -> slurmctld requeue {detect:.1f} s (ExcNodeList=node3, NumNodes=2, "
         "NumTasks=2); resumed from the 3-rank step 40 at 2 ranks; weights as an uninterrupted run",
+    ]))  # fmt: skip
+
+
+def _leftovers(workdir: Path) -> list[str]:
+    """Processes anywhere on this machine (the nodes share its pid namespace) whose
+    command line names ``workdir``: the job's wrappers and trainers."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue  # exited meanwhile
+        if str(workdir) in argv:
+            out.append(f"{proc.name} {state} {argv}")
+    return out
+
+
+def test_a_frozen_node_that_never_reports_is_blamed_and_excluded(
+    slurm_cluster3: Cluster, slurm_workdir: Path, reference: Callable[[str, int], list[str]],
+    figures: Callable[[str, str], Path],
+) -> None:  # fmt: skip
+    """Node2 freezes whole at step 50: its trainer SIGSTOPs its own wrapper, then itself.
+    Node2 writes no report; rank 0 blames it for never reporting and requeues without it."""
+    body = script(slurm_workdir, f"{ARGS} --freeze-at 50 --freeze-rank 1", wrapper_args=f"--hang-timeout {TIMEOUT}",
+                  srun_args=" ".join(TWO), pre=PRE)  # fmt: skip
+    job = slurm_cluster3.sbatch(body, *TWO, "--requeue", "-w", "node1,node2", workdir=slurm_workdir,
+                                name="freeze")  # fmt: skip
+    job.wait_output(r"^trainer: freezing at step=50", timeout=120)
+    (frozen,) = _lines(job, "freezing at")
+    frozen_at = float(frozen["t"])
+
+    rec = job.wait_for("requeued (Restarts=1) and PENDING",
+                       lambda r: r.get("Restarts") == "1" and r.get("JobState") == "PENDING",
+                       6 * TIMEOUT)  # fmt: skip
+    # PENDING again: Slurm has ended every process of the first run, the stopped ones included,
+    # without draining node2 (a process that outlives SIGKILL would: "kill task failed").
+    assert _leftovers(slurm_workdir) == []
+    assert "DRAIN" not in slurm_cluster3.node_state("node2")
+    assert rec["ExcNodeList"] == "node2", rec
+    assert rec["ReqNodeList"] == "node1", rec
+    (requeued,) = requeue_log_times(slurm_cluster3, job)
+    # Node1 stalls T s after its last new step (heard up to one heartbeat after the freeze),
+    # then rank 0 waits T more for node2's report, which never comes.
+    detect = requeued - frozen_at
+    assert 2 * TIMEOUT - 1 <= detect <= 2 * TIMEOUT + heartbeat_interval(TIMEOUT) + 5, detect
+
+    cand = find_latest([slurm_workdir / "run"], full=True)
+    assert cand is not None and cand.step == 40
+    verify_checkpoint(cand.path, full=True)
+
+    first = [r for r in runs(job.output()) if r.restarts == 0]
+    assert sorted(r.rank for r in first) == [0, 1]
+    by_rank = {r.rank: r for r in first}
+    # The process stopped was rank 1's wrapper: the parent of the trainer it started.
+    (child,) = by_rank[1].find("child-start")
+    starts0 = {d["rank"]: d for d in _lines(job, "start") if d["restart"] == "0"}
+    assert child["pid"] == starts0["1"]["pid"]
+    # Node2 stayed stopped through node1's stall and rank 0's wait, until Slurm ended the job
+    # for the requeue (SIGCONT, SIGTERM, then SIGKILL: before slurmctld logs "Requeuing");
+    # thawed, its wrapper reports no hang it did not see.
+    (thawed,) = _lines(job, "thawed at")
+    frozen_for = float(thawed["t"]) - frozen_at
+    assert 2 * TIMEOUT - 1 <= frozen_for <= detect, (frozen_for, detect)
+    assert not by_rank[1].find("hang")
+    (hang,) = by_rank[0].find("hang")
+    assert hang["node"] == "node1" and hang["ranks"].split(":")[1:3] == ["49", "collective"], hang
+    decision = by_rank[0].find("hang-decision")
+    assert [(d["reason"], d["bad"], d["reported"], d["nodes"]) for d in decision] == [
+        ("requeue", "node2", "1", "2")]  # fmt: skip
+    assert "never reported" in decision[0]["msg"]
+    assert by_rank[0].find("requeue", exclude="node2")
+
+    reports = slurm_workdir / "run" / ".watchdog" / f"job_{job.id}.0"
+    assert {p.name for p in reports.iterdir()} == {"node1.json"}
+    job.skip_requeue_wait(restarts=1)
+    job.wait_state("COMPLETED", timeout=180)
+    assert job.info()["NodeList"] == "node[1,3]"
+    assert not reports.parent.exists()
+    starts = sorted((d["restart"], d["rank"], d["from"]) for d in _lines(job, "start"))
+    assert starts == [("0", "0", "0"), ("0", "1", "0"), ("1", "0", "40"), ("1", "1", "40")]
+    assert done_digests(slurm_workdir, 2) == reference(ARGS, 2)
+
+    figures("hang-e2e-frozen-node", "\n".join([
+        "hang watchdog: node2 of a 2-node gloo job freezes whole (wrapper and trainer SIGSTOPped) at step 50",
+        f"  reproduce: .venv/bin/pytest {THIS}::test_a_frozen_node_that_never_reports_is_blamed_and_excluded",
+        f"  hang_timeout {TIMEOUT} s: freeze -> slurmctld requeue {detect:.1f} s (stall + {TIMEOUT} s waiting for "
+        f"node2's report; node2 thawed by Slurm's SIGCONT after {frozen_for:.1f} s; ExcNodeList=node2; "
+        "resumed from step 40 on node[1,3]; weights as an uninterrupted run)",
     ]))  # fmt: skip

@@ -7,7 +7,7 @@ compare a SHA-256 of the raw parameter bytes.
 
     python trainer.py --steps 300 --out DIR [--workers 2] [--step-time 0.02]
                       [--first-step-time 0.25] [--crash-at STEP --crash-code 3]
-                      [--hang-at STEP --hang-rank R]
+                      [--hang-at STEP --hang-rank R] [--freeze-at STEP --freeze-rank R]
 
 With ``SLURM_NTASKS`` (or ``WORLD_SIZE``) > 1 it joins a gloo process group
 (``MASTER_ADDR``/``MASTER_PORT``), averages gradients across ranks and saves a
@@ -18,6 +18,8 @@ shard per rank. Lines it prints, which the tests parse:
     trainer: committed step=57 t=1732900000.123 path=...
     trainer: stopping at step=57 for requeue
     trainer: hanging at step=50 rank=1 t=1732900000.123
+    trainer: freezing at step=50 rank=1 wrapper=456 t=1732900000.123
+    trainer: thawed at step=50 rank=1 t=1732900000.123
     trainer: done rank=0 steps=300 digest=ab12...
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -97,6 +100,23 @@ def finish(ckpt: Checkpointer | None, world: int) -> None:
         os._exit(0)
 
 
+def freeze(step: int, rank: int) -> None:
+    """Stop this rank's node side: its ``slurm-ckpt run`` wrapper (our parent), then us.
+
+    Both stay stopped (state T) until Slurm ends the job, as on a node that froze
+    while its slurmd still answers: no heartbeat, no watchdog report. A wrapper
+    that is not our parent is refused rather than some other process stopped.
+    """
+    wrapper = os.getppid()
+    argv = Path(f"/proc/{wrapper}/cmdline").read_bytes().split(b"\0")
+    if not any(a.endswith(b"slurm-ckpt") for a in argv) or b"run" not in argv:
+        raise SystemExit(f"--freeze-at: parent {wrapper} is not a slurm-ckpt run wrapper: {argv!r}")
+    say(f"freezing at step={step} rank={rank} wrapper={wrapper} t={time.time():.3f}")
+    os.kill(wrapper, signal.SIGSTOP)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    say(f"thawed at step={step} rank={rank} t={time.time():.3f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
@@ -110,6 +130,9 @@ def main() -> int:
     ap.add_argument("--hang-at", type=int, default=0,
                     help="first run only: rank --hang-rank never joins step STEP's all_reduce")  # fmt: skip
     ap.add_argument("--hang-rank", type=int, default=1)
+    ap.add_argument("--freeze-at", type=int, default=0,
+                    help="first run only: rank --freeze-rank SIGSTOPs its wrapper and itself at step STEP")  # fmt: skip
+    ap.add_argument("--freeze-rank", type=int, default=1)
     ap.add_argument("--out", type=Path, required=True, help="where done-rank<R>.txt goes")
     ap.add_argument("--no-ckpt", action="store_true", help="reference run: never save or load")
     args = ap.parse_args()
@@ -144,6 +167,8 @@ def main() -> int:
             say(f"hanging at step={step} rank={rank} t={time.time():.3f}")
             while True:  # the other ranks wait for it in the all_reduce below
                 time.sleep(3600)
+        if step == args.freeze_at and rank == args.freeze_rank and restart in ("", "0"):
+            freeze(step, rank)
         loss = torch.nn.functional.mse_loss(model(bx).squeeze(1), by)
         opt.zero_grad()
         loss.backward()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -130,6 +132,9 @@ def test_watchdog_deadline_follows_the_newest_step_and_saves() -> None:
     rep = w.report("n1", now=125)
     assert [(r.pid, r.step, r.where, r.idle) for r in rep.ranks] == [(1, 5, "checkpoint", 10.0),
                                                                       (2, 6, "compute", 16.0)]  # fmt: skip
+    w.pause(4)  # the wrapper itself did not run for 4 s: not the ranks' idle time
+    assert w.deadline == 129
+    assert [r.idle for r in w.report("n1", now=129).ranks] == [10.0, 16.0]
     w.forget(1)
     w.forget(2)
     assert w.deadline is None
@@ -266,3 +271,61 @@ def test_the_next_run_clears_the_earlier_runs_reports_only(tmp_path: Path) -> No
     clear_reports(tmp_path, "7", 3)
     clear_reports(tmp_path, "8", 1)
     assert not (tmp_path / ".watchdog").exists()
+
+
+FROZEN_CHILD = """
+    import os, signal, sys, time
+    from slurm_ckpt.control import Control
+    c = Control()
+    c.install()
+    for step in range(6):
+        c.progress(step)
+        time.sleep(0.1)
+    time.sleep(1.5)  # one heartbeat (every 1.25 s) tells the wrapper of step 5
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(f"{os.getppid()} {os.getpid()}")
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    os.kill(os.getppid(), signal.SIGSTOP)  # the wrapper, then this rank: the node freezes whole
+    os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(0.5)  # thawed, still at step 5: the wrapper hears no new step before it looks
+    for step in range(6, 20):
+        c.progress(step)
+        time.sleep(0.1)
+"""
+
+
+def _stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "T"
+
+
+@pytest.mark.slow  # the freeze outlasts the 5 s timeout
+def test_a_wrapper_thawed_with_its_ranks_reports_no_hang(tmp_path: Path) -> None:
+    """A wrapper stopped with its ranks (SIGSTOP, a frozen node) for longer than the timeout
+    did not see them idle: thawed, it reports no hang, and the ranks go on and finish.
+
+    The watched idle time stays under the 5 s timeout: up to 1.5 s before the freeze, 1 s
+    of the wrapper's wake-up slack, 0.5 s after the thaw and one 1.25 s heartbeat."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(SLURM_CKPT_DIR=str(tmp_path / "ckpt"), PYTHONPATH=str(ROOT))
+    pids = tmp_path / "pids"
+    argv = [sys.executable, "-c", "from slurm_ckpt.cli import main; main()", "run", "--local",
+            "--hang-timeout", "5", "--", sys.executable, "-c", textwrap.dedent(FROZEN_CHILD), str(pids)]  # fmt: skip
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (pids.exists() and all(map(_stopped, map(int, pids.read_text().split())))):
+            assert time.monotonic() < deadline and proc.poll() is None, "the child never froze"
+            time.sleep(0.05)
+        wrapper, child = map(int, pids.read_text().split())
+        assert wrapper == proc.pid
+        time.sleep(7)  # the freeze itself, longer than the 5 s timeout (not a synchronisation)
+        for pid in (wrapper, child):  # thawed, as Slurm does (SIGCONT) when it ends the job
+            os.kill(pid, signal.SIGCONT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    events = [e for e in map(parse_event, err.splitlines()) if e]
+    assert not [e for e in events if e["event"] == "hang"], err
+    assert proc.returncode == 0, err
