@@ -145,3 +145,4 @@ class Local:
                     self.bound.call(self.run_dir.unlock, "releasing the run dir lock")
                 except StorageHung as e:
                     log.warning("%s", e)
+            self.bound.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -82,6 +83,22 @@ def check_live() -> None:
         raise StorageHung(bound.path, bound.timeout, "a save given up earlier")
 
 
+class _IoThread:
+    """The daemon thread that runs one Bound's calls in turn: one thread for a
+    checkpointer's life rather than one started for every save. It is replaced
+    only when a call on it is given up."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        # A daemon: the interpreter must not wait at exit for a call stuck in the kernel.
+        self.thread = threading.Thread(target=self._loop, name="slurm-ckpt-durable-io", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            job()
+
+
 class Bound:
     """Calls on one directory's storage, each given up after ``timeout`` seconds
     without :func:`progress`.
@@ -96,6 +113,7 @@ class Bound:
         self.abandoned: threading.Thread | None = None
         """The worker given up on and still running, if any."""
         self._lock = threading.Lock()
+        self._io: _IoThread | None = None
 
     @property
     def stalled(self) -> bool:
@@ -117,6 +135,9 @@ class Bound:
         err: list[BaseException] = []
 
         clock = _Clock()
+        if self._io is None:
+            self._io = _IoThread()
+        io = self._io
 
         def run() -> None:
             _worker.bound, _worker.clock = self, clock
@@ -132,19 +153,18 @@ class Bound:
                         self.abandoned = None
                         self._stall(False)
                 if given_up:
+                    io.jobs.put(None)  # a fresh thread serves the calls made since
                     log.warning("%s in %s, given up earlier, returned: %s", what, self.path,
                                 err[0] if err else "done")  # fmt: skip
 
-        # A daemon: the interpreter must not wait at exit for a call stuck in the kernel.
-        worker = threading.Thread(target=run, name="slurm-ckpt-durable-io", daemon=True)
         started = time.monotonic()
-        worker.start()
+        io.jobs.put(run)
         if not _wait(done, clock, None if extra is None else self.timeout + extra):
             with self._lock:
                 if not done.is_set():  # else it returned just now: its result stands
-                    self.abandoned = worker
+                    self.abandoned, self._io = io.thread, None
                     self._stall(True)
-            if self.abandoned is worker:
+            if self.abandoned is io.thread:
                 log.error("%s in %s: no answer in %.1fs (%.1fs since the call began); giving up on it "
                           "(it may still finish when the storage is back)", what, self.path, clock.idle(),
                           time.monotonic() - started)  # fmt: skip
@@ -152,6 +172,12 @@ class Bound:
         if err:
             raise err[0]
         return out[0]
+
+    def close(self) -> None:
+        """End the worker thread once it is idle (a stuck one ends when its call returns)."""
+        if self._io is not None:
+            self._io.jobs.put(None)
+            self._io = None
 
     def _stall(self, on: bool) -> None:
         if self._on_stall is not None:
