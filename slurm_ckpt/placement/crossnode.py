@@ -56,6 +56,7 @@ from ..store import shards as sh
 from ..store.commit import WriteFn
 from ..store.drainer import Drainer
 from ..store.layout import step_dir
+from ..store.load import pickled_parts, unsafe
 from ..store.manifest import MANIFEST, Manifest, is_chunked
 from ..store.retention import apply_retention, discard_checkpoint
 from ..store.tiers import Tiers, write_tier_file
@@ -398,9 +399,19 @@ class CrossNode:
             ref = str(where)
         if kind == "shards":
             shard = own.get((step, ref))
+            # Each rank holds only its own shard's manifest: the ranks tell each other which
+            # shards hold pickles, so that all refuse alike before any reads.
+            pickled = [r for r, p in enumerate(self.group.all_gather(
+                shard is not None and bool(pickled_parts(shard.manifest)))) if p]  # fmt: skip
             if shard is None:
                 return ("corrupt", f"rank {self.rank}: no shard of step {step} save {ref}"), None, None, None
-            status, state, err = attempt(self.rank, lambda: load(shard.path, shard.manifest))
+
+            def read() -> Any:
+                if pickled and not load.trusted:
+                    raise unsafe(f"step {step} (the shard of rank {pickled[0]})")
+                return load(shard.path, shard.manifest)
+
+            status, state, err = attempt(self.rank, read)
             return status, state, shard.path, err
         path = Path(ref)
         status, got, err = attempt(self.rank, lambda: load_part(path, self.rank, load))
