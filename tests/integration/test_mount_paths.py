@@ -35,8 +35,9 @@ def _weight(scale: float) -> Any:
 
 
 def _w_routes(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
-    """Save and load through Checkpointer, sharded (sync and async) and dcp with our
-    writer and reader, each rank in its own dir ``args["dirs"][rank]``."""
+    """Save and load through Checkpointer (without scratch, and with each rank's own
+    scratch ``args["scratch"][rank]``), sharded (sync and async) and dcp with our writer
+    and reader, each rank in its own dir ``args["dirs"][rank]``."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -54,7 +55,9 @@ def _w_routes(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
         return {"model": {"w": distribute_tensor(_weight(scale), mesh, [Shard(0)])}, "step": int(scale)}
 
     def same(got: Any, scale: float) -> bool:
-        return bool(torch.equal(got["model"]["w"].to_local(), state(scale)["model"]["w"].to_local()))
+        rows = ROWS // world  # this rank's rows of the weight (Shard(0)); no collective: got may be None
+        mine = _weight(scale)[rank * rows:(rank + 1) * rows]
+        return got is not None and bool(torch.equal(got["model"]["w"].to_local(), mine))
 
     out: dict[str, Any] = {}
     with Checkpointer(base / "ck", scratch=False) as ck:
@@ -68,6 +71,16 @@ def _w_routes(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     out["sharded.save_async"] = sharded.save_async(state(3), run, 3, process_group=group).result(timeout=60).name
     loaded = sharded.load(run, into=state(0))
     out["sharded.load"] = None if loaded is None else [loaded.step, same(loaded.state, 3)]
+
+    # Each rank its own scratch: the cross-node placement, whose DTensor checkpoints
+    # resume from the durable tier (the run dir) once the drains assembled them.
+    with Checkpointer(base / "cross", scratch=args["scratch"][rank]) as ck:
+        ck.save(state(5), step=5)
+        ck.wait()
+    dist.barrier()  # both shards staged: the last one in committed step 5
+    with Checkpointer(base / "cross", scratch=args["scratch"][rank]) as ck:
+        got = ck.load_latest(into=state(0))
+        out["cross-node load_latest"] = [ck.loaded_step, same(got, 5)]
 
     run = base / "dcp"
     dcp.save(state(4), storage_writer=StorageWriter(run, step=4, scratch=False))
@@ -90,7 +103,11 @@ def _bind_each_rank(shared: Path, mounts: list[Path]) -> dist_ranks.Wrap:
 
 def run_routes(dirs: list[Path], out: Path, *, wrap: dist_ranks.Wrap) -> list[dict[str, Any]]:
     """Run the worker on two ranks, rank r with its run dirs under ``dirs[r]``; their results by rank."""
-    return dist_ranks.launch(2, WORKER, {"dirs": [str(d) for d in dirs]}, out, timeout=180, wrap=wrap)
+    scratch = [out / f"scratch{r}" for r in range(2)]
+    for d in scratch:
+        d.mkdir(parents=True)
+    args = {"dirs": [str(d) for d in dirs], "scratch": [str(d) for d in scratch]}
+    return dist_ranks.launch(2, WORKER, args, out, timeout=90, wrap=wrap)
 
 
 def check_routes(ranks: list[dict[str, Any]]) -> None:
@@ -101,6 +118,7 @@ def check_routes(ranks: list[dict[str, Any]]) -> None:
             "sharded.save": "step-000000002",
             "sharded.save_async": "step-000000003",
             "sharded.load": [3, True],
+            "cross-node load_latest": [5, True],
             "dcp.save": ["step-000000004"],
             "dcp.load": True,
         }, f"rank {r}: {got}"
@@ -118,6 +136,6 @@ def test_ranks_on_two_paths_to_one_dir_save_and_load_one_checkpoint_by_every_rou
         d.mkdir()
     check_routes(run_routes([m / "runs" for m in mounts], tmp_path / "out", wrap=_bind_each_rank(shared, mounts)))
     # One checkpoint per save, both ranks' parts in it, in the one shared dir.
-    for run, step in (("ck", 1), ("sharded", 3), ("dcp", 4)):
+    for run, step in (("ck", 1), ("sharded", 3), ("cross", 5), ("dcp", 4)):
         man = verify_checkpoint(shared / "runs" / run / f"step-{step:09d}", full=True)
         assert man.world_size == 2, (run, man.world_size)

@@ -130,7 +130,7 @@ def test_sharded_and_dcp_saves_from_ranks_on_both_mounts_load_on_both(lab: Lab, 
     try:
         check_routes(run_routes([a / "runs", b / "runs"], tmp_path / "out", wrap=_on_own_mount(lab, fs)))
         for mount in (a, b):
-            for run, step in (("ck", 1), ("sharded", 3), ("dcp", 4)):
+            for run, step in (("ck", 1), ("sharded", 3), ("cross", 5), ("dcp", 4)):
                 man = verify_checkpoint(mount / "runs" / run / f"step-{step:09d}", full=True)
                 assert man.world_size == 2, (mount, run, man.world_size)
     finally:
