@@ -77,8 +77,14 @@ def parse_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[Path, in
 
 @dataclass(frozen=True)
 class _Target:
-    """What the coordinator tells each rank: where to write, and under which name."""
+    """What the coordinator tells each rank: where to write, and under which name.
 
+    Names, not paths: each rank reaches the run dir (or the fast tier) by its own
+    path, as nodes may mount the shared filesystem at other places.
+    """
+
+    on_fast: bool
+    """The staging dir is in the fast tier every rank named, else in the run dir."""
     staging: str
     file: str
 
@@ -257,13 +263,16 @@ class StorageWriter(_dcp_storage.StorageWriter):
             run.unlock()
             raise storage_error(e, "cannot create the staging dir", staging) from e
         self._pending = _Pending(run, staging, self.step, local)
-        return [dataclasses.replace(p, storage_data=_Target(str(staging), data_file_name(i)))
+        on_fast = local.tiers is not None
+        return [dataclasses.replace(p, storage_data=_Target(on_fast, staging.name, data_file_name(i)))
                 for i, p in enumerate(plans)]  # fmt: skip
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[_dcp_storage.WriteResult]]:
         target: _Target = plan.storage_data
+        base = self._fast_tier() if target.on_fast else self.run_dir
+        assert base is not None
         try:
-            results = self._write_file(Path(target.staging) / target.file, target.file, plan.items, planner)
+            results = self._write_file(base / target.staging / target.file, target.file, plan.items, planner)
         except BaseException:
             # DCP calls no writer method after a failed write: let go of the run dir now.
             # (When another rank fails, the coordinator lets go at its next save or close().)

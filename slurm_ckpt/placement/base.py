@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -18,9 +17,15 @@ __all__ = ["Load", "Placement", "after_commit", "surface_drain_error"]
 
 log = logging.getLogger("slurm_ckpt")
 
-Load = Callable[[Path, Any], Any]
-"""``load(checkpoint dir, manifest)``: read one checkpoint (or one rank's shard
-of it, with the shard's own manifest), verifying its checksums."""
+
+class Load(Protocol):
+    """``load(checkpoint dir, manifest)``: read one checkpoint (or one rank's shard
+    of it, with the shard's own manifest), verifying its checksums."""
+
+    trusted: bool
+    """Pickled objects may be loaded; a multi-rank load checks every rank's parts before any reads."""
+
+    def __call__(self, ckpt: Path, man: Any, /) -> Any: ...
 
 
 class Placement(Protocol):

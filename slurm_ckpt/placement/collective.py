@@ -38,6 +38,7 @@ from ..ranks import RankGroup
 from ..store import RunDir, Skipped, iter_valid, note_skip
 from ..store.commit import WriteFn
 from ..store.fsutil import fsync_dir
+from ..store.load import pickled_parts, unsafe
 from ..store.manifest import Manifest, is_chunked
 from ..store.shards import prefixed, shard_manifest, shard_name
 from ..store.tensorfile import FileRecord
@@ -181,9 +182,15 @@ def load_part(path: Path, rank: int, load: Load) -> tuple[Any, Manifest]:
     """Load ``rank``'s part of the committed checkpoint ``path``: its shard, or the
     whole checkpoint when it has no shards. Returns (state, the checkpoint's manifest).
 
-    :class:`ConfigError` when the checkpoint has shards but none for ``rank``.
+    :class:`ConfigError` when the checkpoint has shards but none for ``rank``;
+    :class:`UnsafeLoad` when any part of it holds pickled objects and ``load``
+    is not trusted.
     """
     man = Manifest.read(path)
+    if not load.trusted and pickled_parts(man):
+        # Every rank, before any reads: one rank's pickles refuse the load on all of them
+        # alike, with nothing read into another rank's into= tensors.
+        raise unsafe(path)
     part = None if is_chunked(man) else shard_manifest(man, rank)
     state = load(path, man) if part is None else load(path / shard_name(rank), part)
     return state, man

@@ -56,6 +56,7 @@ from ..store import shards as sh
 from ..store.commit import WriteFn
 from ..store.drainer import Drainer
 from ..store.layout import step_dir
+from ..store.load import pickled_parts, unsafe
 from ..store.manifest import MANIFEST, Manifest, is_chunked
 from ..store.retention import apply_retention, discard_checkpoint
 from ..store.tiers import Tiers, write_tier_file
@@ -376,7 +377,7 @@ class CrossNode:
         if not bad and self.rank == 0:
             try:
                 path = sh.complete(self.durable.path, step, save_id, world, keep=self.keep, by="resume")
-                done = str(path) if path is not None else None
+                done = path.name if path is not None else None  # a name: each rank its own path
                 if done is None:
                     bad = [f"step {step}: shards missing after staging"]
             except (OSError, CheckpointCorrupt) as e:
@@ -386,7 +387,7 @@ class CrossNode:
         if bad or done is None:
             return ("corrupt", "; ".join(bad)), None, None
         log.info("step %d assembled from the shards and replicas on the surviving nodes: %s", step, done)
-        return ("ok", ""), Path(done), None
+        return ("ok", ""), self.durable.path / done, None
 
     def _load_part(self, kind: str, step: int, ref: str, own: dict[tuple[int, str], sh.LocalShard],
                    load: Load) -> tuple[Status, Any, Path | None, BaseException | None]:  # fmt: skip
@@ -395,14 +396,24 @@ class CrossNode:
             status, where, err = self._from_replicas(step, ref)
             if where is None:
                 return status, None, None, err
-            ref = str(where)
+            ref = where.name
         if kind == "shards":
             shard = own.get((step, ref))
+            # Each rank holds only its own shard's manifest: the ranks tell each other which
+            # shards hold pickles, so that all refuse alike before any reads.
+            pickled = [r for r, p in enumerate(self.group.all_gather(
+                shard is not None and bool(pickled_parts(shard.manifest)))) if p]  # fmt: skip
             if shard is None:
                 return ("corrupt", f"rank {self.rank}: no shard of step {step} save {ref}"), None, None, None
-            status, state, err = attempt(self.rank, lambda: load(shard.path, shard.manifest))
+
+            def read() -> Any:
+                if pickled and not load.trusted:
+                    raise unsafe(f"step {step} (the shard of rank {pickled[0]})")
+                return load(shard.path, shard.manifest)
+
+            status, state, err = attempt(self.rank, read)
             return status, state, shard.path, err
-        path = Path(ref)
+        path = self.durable.path / ref  # a name in the run dir, which each rank reaches by its own path
         status, got, err = attempt(self.rank, lambda: load_part(path, self.rank, load))
         return status, got[0] if got is not None else None, path, err
 
@@ -429,7 +440,7 @@ def _candidates(sets: list[list[tuple[int, str, float]]], durable: Path, skipped
     ]
     assembled: set[tuple[int, str]] = set()
     for cand in iter_valid([durable], full=False, skipped=skipped):
-        ranked.append((cand.step, cand.manifest.time, 0, "durable", str(cand.path)))
+        ranked.append((cand.step, cand.manifest.time, 0, "durable", cand.path.name))
         assembled.add((cand.step, str(cand.manifest.extra.get("save_id"))))
     for (s, sid, world), (plan, t) in _whole_sets(held or [], durable).items():
         if (s, sid) not in common and (s, sid) not in assembled:

@@ -134,15 +134,19 @@ def load(
     if exact is not None and not (root / MANIFEST).exists() and step_dir(*exact).is_dir():
         root = step_dir(*exact)
     one = (root / MANIFEST).exists()
+    dirs = [*(Path(d).absolute() for d in search), root]
     cands = None
     if ranks.rank == 0:
-        cands = iter([root]) if one else (c.path for c in iter_valid([*map(Path, search), root], full=False, skipped=skipped))
+        found = iter_valid(dirs, full=False, skipped=skipped)
+        # An index into dirs and a name, not a path: each rank reaches the run dir by its
+        # own path (nodes may mount the shared filesystem at other places).
+        cands = iter([(-1, "")]) if one else ((dirs.index(c.path.parent), c.path.name) for c in found)
     targets = split(into, allow_pickle=True, stored=False) if into is not None else None
     while True:
-        where = ranks.broadcast(str(next(cands, None) or "") if cands is not None else None)
-        if not where:
+        where = ranks.broadcast(next(cands, None) if cands is not None else None)
+        if where is None:
             return None
-        ckpt = Path(where)
+        ckpt = root if one else dirs[where[0]] / where[1]
         got, why = load_one(ckpt, None, targets, ranks, trusted=trusted, config=config)
         if got is not None:
             return got

@@ -35,7 +35,7 @@ from .layout import OBJECTS_FILE, STATE_FILE
 from .manifest import Manifest, is_chunked
 from .tensorfile import read_tensors
 
-__all__ = ["Loader", "ReadFn", "device_map", "load_state"]
+__all__ = ["Loader", "ReadFn", "device_map", "load_state", "pickled_parts", "unsafe"]
 
 ReadFn = Callable[..., dict[str, Any]]
 """``read(path, expected: FileRecord, *, into) -> {key: tensor}`` in host memory, verifying the checksum.
@@ -86,6 +86,17 @@ class Loader:
         return state
 
 
+def pickled_parts(man: Manifest) -> list[str]:
+    """The files of a checkpoint, any rank's shard included, that hold pickled objects."""
+    return sorted(n for n in man.files if n.rpartition("/")[2] == OBJECTS_FILE)
+
+
+def unsafe(where: Path | str) -> UnsafeLoad:
+    """The refusal of a load without ``trusted=True`` of ``where``, which holds pickled objects."""
+    return UnsafeLoad(f"{where} holds pickled objects, which can run code when loaded; "
+                      "pass trusted=True only if you trust who wrote it")  # fmt: skip
+
+
 def load_state(
     ckpt: Path,
     man: Manifest,
@@ -118,10 +129,7 @@ def load_state(
         raise CheckpointCorrupt(f"{ckpt / STATE_FILE}: not valid JSON ({e})", ckpt / STATE_FILE) from None
     objects = _small_file(ckpt, man, OBJECTS_FILE) if OBJECTS_FILE in man.files else None
     if objects is not None and not trusted:
-        raise UnsafeLoad(
-            f"{ckpt} holds pickled objects, which can run code when loaded; "
-            "pass trusted=True only if you trust who wrote it"
-        )
+        raise unsafe(ckpt)
     import torch
 
     # gc paused: thousands of small objects are built. no_grad: into= may hold

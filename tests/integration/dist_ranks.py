@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,12 @@ def rank_env() -> dict[str, str]:
     return env
 
 
-def start(world: int, target: str, args: dict[str, Any], out_dir: Path, **popen: Any) -> list[subprocess.Popen[str]]:
+Wrap = Callable[[int], list[str]]
+"""``wrap(rank)``: a command that runs a rank's command line after it (``unshare ... sh -c ...``)."""
+
+
+def start(world: int, target: str, args: dict[str, Any], out_dir: Path, *, wrap: Wrap | None = None,
+          **popen: Any) -> list[subprocess.Popen[str]]:  # fmt: skip
     """Start the ranks; each writes ``out_dir/rank-N.json`` when its function returns."""
     port = free_port()
     env = rank_env()
@@ -44,13 +50,15 @@ def start(world: int, target: str, args: dict[str, Any], out_dir: Path, **popen:
         return [sys.executable, "-m", "tests.integration.dist_ranks", target, str(r), str(world), str(port),
                 json.dumps(args), str(out_dir / f"rank-{r}.json")]  # fmt: skip
 
-    return [subprocess.Popen(cmd(r), cwd=ROOT, env=env, text=True, **popen) for r in range(world)]
+    return [subprocess.Popen([*(wrap(r) if wrap else []), *cmd(r)], cwd=ROOT, env=env, text=True, **popen)
+            for r in range(world)]  # fmt: skip
 
 
-def launch(world: int, target: str, args: dict[str, Any], out_dir: Path, *, timeout: float = 600) -> list[Any]:
+def launch(world: int, target: str, args: dict[str, Any], out_dir: Path, *, timeout: float = 600,
+           wrap: Wrap | None = None) -> list[Any]:  # fmt: skip
     """Run ``target`` on ``world`` ranks and return their results by rank."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    procs = start(world, target, args, out_dir)
+    procs = start(world, target, args, out_dir, wrap=wrap)
     outputs: list[str] = []
     try:
         for p in procs:

@@ -123,6 +123,13 @@ def test_closed_checkpointer_lets_the_process_group_go(pair: dict[str, Any]) -> 
         assert "is closed; create a new one" in got["use_after_close"]
 
 
+def test_pickles_in_one_rank_s_shard_are_refused_by_every_rank_before_any_read(pair: dict[str, Any]) -> None:
+    got = [pair["ranks"][r]["pickle"] for r in range(WORLD)]
+    assert [g["error"] for g in got] == ["UnsafeLoad"] * WORLD, got
+    assert [g["into_after"] for g in got] == [[0.0] * 4] * WORLD, f"a rank read into its tensors first: {got}"
+    assert all("step-000000003" in g["message"] for g in got), got
+
+
 def test_rank_from_slurm_without_a_process_group(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from slurm_ckpt import Checkpointer
 
@@ -254,6 +261,26 @@ def _scenario_overlap(run: Path, rank: int) -> dict[str, Any]:
             "agreements": len(agreed), "stops": sum(agreed)}  # fmt: skip
 
 
+def _scenario_pickle(run: Path, rank: int) -> dict[str, Any]:
+    """Only rank 0's shard holds pickled objects; a load without trusted=True."""
+    import fractions
+
+    import torch
+
+    from slurm_ckpt import Checkpointer
+
+    state: dict[str, Any] = {"w": torch.full((4,), 7.0 + rank)}
+    into: dict[str, Any] = {"w": torch.zeros(4)}
+    if rank == 0:
+        state["extra"], into["extra"] = fractions.Fraction(1, 3), None
+    with Checkpointer(run, allow_pickle=True) as ck:
+        ck.save(state, step=3)
+    with Checkpointer(run) as ck:
+        error = _error_of(lambda: ck.load_latest(into=into))
+    kind, _, message = error.partition(": ")
+    return {"error": kind, "message": message, "into_after": into["w"].tolist()}
+
+
 def _worker(rank: int, world: int, port: int, runs: Path, out: Path) -> None:
     import torch.distributed as dist
 
@@ -261,7 +288,7 @@ def _worker(rank: int, world: int, port: int, runs: Path, out: Path) -> None:
     results = {}
     for name, fn in [("basic", _scenario_basic), ("fail", _scenario_fail), ("corrupt", _scenario_corrupt),
                      ("agree", _scenario_agree), ("async", _scenario_async),
-                     ("overlap", _scenario_overlap)]:  # fmt: skip
+                     ("overlap", _scenario_overlap), ("pickle", _scenario_pickle)]:  # fmt: skip
         results[name] = fn(runs / name, rank)
         dist.barrier()
     # A closed Checkpointer still in scope must not keep its groups alive

@@ -207,6 +207,15 @@ def test_with_the_drain_off_shards_stay_local_and_resume_uses_them(main: dict[st
         assert got["durable_steps"] == ["step-000000010"]
 
 
+def test_pickles_in_one_rank_s_shard_on_scratch_are_refused_by_every_rank_before_any_read(
+    main: dict[str, Any],
+) -> None:
+    got = [main["ranks"][r]["pickle"] for r in range(WORLD)]
+    assert [g["error"] for g in got] == ["UnsafeLoad"] * WORLD, got
+    assert [g["into_after"] for g in got] == [[0.0] * 4] * WORLD, f"a rank read into its tensors first: {got}"
+    assert all("step 5" in g["message"] for g in got), got
+
+
 def test_epilog_of_each_node_stages_its_shards_and_the_last_one_commits(
     main: dict[str, Any],
 ) -> None:
@@ -569,6 +578,37 @@ def _nodrain(base: Path, rank: int, name: str = "nodrain") -> dict[str, Any]:
     return {"durable_after_wait": durable, "loaded": loaded, "durable_steps": steps}
 
 
+def _pickle(base: Path, rank: int) -> dict[str, Any]:
+    """Only rank 0's shard holds pickled objects, and both stay on scratch (no drain);
+    a load without trusted=True."""
+    import fractions
+
+    import torch
+
+    from slurm_ckpt import Checkpointer
+    from slurm_ckpt.config import Config
+
+    run = base / "pickle"
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, drain=False))
+    mine = run.with_name(f"{run.name}-scratch{rank}")
+    mine.mkdir(exist_ok=True)
+    state: dict[str, Any] = {"w": torch.full((4,), 7.0 + rank)}
+    into: dict[str, Any] = {"w": torch.zeros(4)}
+    if rank == 0:
+        state["extra"], into["extra"] = fractions.Fraction(1, 3), None
+    with Checkpointer(run, config=cfg, scratch=mine, allow_pickle=True) as ck:
+        ck.save(state, step=5)
+    error = ""
+    with Checkpointer(run, config=cfg, scratch=mine) as ck:
+        try:
+            ck.load_latest(into=into)
+        except Exception as e:  # the test checks which error each rank raised
+            error = f"{type(e).__name__}: {e}"
+    kind, _, message = error.partition(": ")
+    return {"error": kind, "message": message, "into_after": into["w"].tolist()}
+
+
 def _blocked_drain(base: Path, rank: int, name: str, first: int, meanwhile: Callable[[Any], None]) -> dict[str, Any]:
     """keep=1, with rank 0 holding the assembly lock (a stage-out on another node): each
     rank saves step ``first``, waits until its drain holds it, calls ``meanwhile(ckpt)``,
@@ -676,6 +716,7 @@ PHASES = {
         "nodrain2": lambda b, r: _nodrain(b, r, "nodrain2"),
         "trim": _trim,
         "backstep": _backstep,
+        "pickle": _pickle,
     },
     "death": {"death": _death},
     "resume": {"resume": _resume},

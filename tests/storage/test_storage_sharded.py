@@ -11,10 +11,7 @@ mount, and compared bit for bit.
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.integration import dist_ranks
+from tests.integration.test_mount_paths import check_routes, run_routes
 from tests.storage.lab import Lab
 
 pytestmark = pytest.mark.root
@@ -69,32 +67,20 @@ def _w_save_and_load(rank: int, world: int, args: dict[str, Any]) -> dict[str, A
     }
 
 
-def _launch(lab: Lab, fs: str, dirs: list[Path], out: Path) -> list[dict[str, Any]]:
+def _on_own_mount(lab: Lab, fs: str) -> dist_ranks.Wrap:
     """Rank r on mount r only: its own mount namespace, with the other mount unmounted there."""
-    out.mkdir(parents=True, exist_ok=True)
-    port = dist_ranks.free_port()
-    env = dist_ranks.rank_env()
-    args = json.dumps({"dirs": [str(d) for d in dirs]})
-    procs = []
-    for r in range(2):
-        other = lab.mount(fs, "b" if r == 0 else "a")
-        cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'umount -l "$0" && exec "$@"',
-               str(other), sys.executable, "-m", "tests.integration.dist_ranks", f"{HERE}:_w_save_and_load",
-               str(r), "2", str(port), args, str(out / f"rank-{r}.json")]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, cwd=dist_ranks.ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT))  # fmt: skip
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=120)[0] or "")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed (exit {p.returncode}):\n{outputs[r][-6000:]}"
-    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+
+    def wrap(rank: int) -> list[str]:
+        other = lab.mount(fs, "b" if rank == 0 else "a")
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'umount -l "$0" && exec "$@"',
+                str(other)]  # fmt: skip
+
+    return wrap
+
+
+def _launch(lab: Lab, fs: str, dirs: list[Path], out: Path) -> list[dict[str, Any]]:
+    return dist_ranks.launch(2, f"{HERE}:_w_save_and_load", {"dirs": [str(d) for d in dirs]}, out, timeout=120,
+                             wrap=_on_own_mount(lab, fs))  # fmt: skip
 
 
 @pytest.mark.parametrize("fs", ["gluster", "ceph"])
@@ -128,5 +114,24 @@ def test_sharded_save_from_ranks_on_both_mounts_commits_one_checkpoint(lab: Lab,
                 whole = ck.load_latest()
             assert whole is not None and whole["step"] == STEP
             assert torch.equal(whole["model"]["w"], _full_weight())
+    finally:
+        shutil.rmtree(a, ignore_errors=True)
+
+
+@pytest.mark.parametrize("fs", ["gluster", "ceph"])
+def test_sharded_and_dcp_saves_from_ranks_on_both_mounts_load_on_both(lab: Lab, fs: str, tmp_path: Path) -> None:
+    from slurm_ckpt.store import verify_checkpoint
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1): the ranks need mount namespaces of their own")
+    name = f"r-{uuid.uuid4().hex[:8]}"
+    a, b = lab.mount(fs, "a") / name, lab.mount(fs, "b") / name
+    (a / "runs").mkdir(parents=True)
+    try:
+        check_routes(run_routes([a / "runs", b / "runs"], tmp_path / "out", wrap=_on_own_mount(lab, fs)))
+        for mount in (a, b):
+            for run, step in (("ck", 1), ("sharded", 3), ("cross", 5), ("dcp", 4)):
+                man = verify_checkpoint(mount / "runs" / run / f"step-{step:09d}", full=True)
+                assert man.world_size == 2, (mount, run, man.world_size)
     finally:
         shutil.rmtree(a, ignore_errors=True)
