@@ -27,7 +27,8 @@ def test_bench_smoke_8m(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     names = {(r["kind"], r["name"]) for r in doc["results"]}
-    for kind, name in [("write", "raw O_DIRECT"), ("write", "torch.save+fsync"), ("write", "safetensors+fsync"),
+    for kind, name in [("write", "raw O_DIRECT"), ("write", "raw buffered+fsync"), ("read", "raw buffered"),
+                       ("write", "torch.save+fsync"), ("write", "safetensors+fsync"),
                        ("write", "ours sync"), ("read", "ours"), ("read", "ours mmap"), ("read", "torch.load"),
                        ("read", "ours, into existing tensors"), ("read", "DCP, into existing tensors"),
                        ("async", "ours async auto"), ("async", "ours async overlap"),
@@ -39,8 +40,8 @@ def test_bench_smoke_8m(tmp_path: Path) -> None:
     # The methods run in a shuffled order; the report lists them in a fixed one.
     writes = [r["name"] for r in doc["results"] if r["kind"] == "write"]
     reads = [r["name"] for r in doc["results"] if r["kind"] == "read"]
-    assert writes[0] == "raw O_DIRECT" and writes[2] == "torch.save+fsync" and writes[-1] == "ours sync", writes
-    assert reads[0] == "raw O_DIRECT" and reads[2] == "torch.load" and reads[-1].startswith("ours, into"), reads
+    assert writes[0] == "raw O_DIRECT" and writes[3] == "torch.save+fsync" and writes[-1] == "ours sync", writes
+    assert reads[0] == "raw O_DIRECT" and reads[3] == "torch.load" and reads[-1].startswith("ours, into"), reads
     for r in doc["results"]:
         assert len(r["times"]) == 1 and r["times"][0] > 0, r
     assert 0.85 * (8 << 20) <= doc["info"]["nbytes"] <= 1.15 * (8 << 20)
