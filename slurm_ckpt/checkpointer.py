@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
+import gc
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -194,12 +197,13 @@ class Checkpointer:
         return self._save_sync(state, step)
 
     def _save_sync(self, state: Any, step: int) -> Path:
-        job = self._job(state, "sync")
-        try:
-            path = self._commit(step, job.write, job.nbytes, **_meta(job))
-        finally:
-            job.close()
-        self._committed(step, path)
+        with _gc_paused():
+            job = self._job(state, "sync")
+            try:
+                path = self._commit(step, job.write, job.nbytes, **_meta(job))
+            finally:
+                job.close()
+            self._committed(step, path)
         return path
 
     def _job(self, state: Any, mode: str) -> SaveJob | ShardJob:
@@ -228,7 +232,8 @@ class Checkpointer:
         """
         self._check_open()
         self._drain_inflight()
-        job = self._job(state, "auto")
+        with _gc_paused():
+            job = self._job(state, "auto")
         handle = SaveHandle(step, job.captured, job.mode)
 
         def work() -> Path:
@@ -336,7 +341,8 @@ class Checkpointer:
         chunked = functools.partial(load_checkpoint, group=self.placement.group, config=self.config)
         load = Loader(self.engine.reader(mmap=mmap), mmap=mmap, map_location=map_location, trusted=trusted,
                       into=into, chunked=chunked)  # fmt: skip
-        found = self.placement.load_latest(load, skipped)
+        with _gc_paused():
+            found = self.placement.load_latest(load, skipped)
         if found is None:
             return None
         self.metrics.loaded(load.seconds, load.nbytes)
@@ -365,6 +371,21 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a save builds its records (one
+    or more per tensor): each collection those allocations trigger would walk the
+    trainer's live objects as well. A save leaves no cycles behind, and the
+    collector runs again as before once it is done."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _meta(job: SaveJob | ShardJob) -> dict[str, Any]:
