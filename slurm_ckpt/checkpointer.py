@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
-import gc
 import logging
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ._env import default_run_dir, job_id
 from .config import Config, load_config
 from .control import Control
-from .engine import Engine, SaveHandle, SaveJob
+from .engine import Engine, SaveHandle, SaveJob, gc_paused
 from .engine.handle import start_save, take_error
 from .errors import ConfigError, StorageError
 from .metrics import Metrics
@@ -197,7 +194,7 @@ class Checkpointer:
         return self._save_sync(state, step)
 
     def _save_sync(self, state: Any, step: int) -> Path:
-        with _gc_paused():
+        with gc_paused():
             job = self._job(state, "sync")
             try:
                 path = self._commit(step, job.write, job.nbytes, **_meta(job))
@@ -232,7 +229,7 @@ class Checkpointer:
         """
         self._check_open()
         self._drain_inflight()
-        with _gc_paused():
+        with gc_paused():
             job = self._job(state, "auto")
         handle = SaveHandle(step, job.captured, job.mode)
 
@@ -341,7 +338,7 @@ class Checkpointer:
         chunked = functools.partial(load_checkpoint, group=self.placement.group, config=self.config)
         load = Loader(self.engine.reader(mmap=mmap), mmap=mmap, map_location=map_location, trusted=trusted,
                       into=into, chunked=chunked)  # fmt: skip
-        with _gc_paused():
+        with gc_paused():
             found = self.placement.load_latest(load, skipped)
         if found is None:
             return None
@@ -371,21 +368,6 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while a save builds its records (one
-    or more per tensor): each collection those allocations trigger would walk the
-    trainer's live objects as well. A save leaves no cycles behind, and the
-    collector runs again as before once it is done."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _meta(job: SaveJob | ShardJob) -> dict[str, Any]:
