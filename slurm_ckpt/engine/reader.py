@@ -85,11 +85,11 @@ def read_tensor_file(
     """Every tensor of a safetensors-layout file, checked against ``expected``.
 
     ``into``: tensors to load into, by key, none overlapping another (see the
-    module's docstring); the result holds them. A dtype or shape that differs
-    from the file's header raises ``ValueError`` before anything is read: the
-    reads follow the header, so this guards the memory they write, whatever
-    the manifest said. On :class:`CheckpointCorrupt` those read in place may
-    hold part of the file.
+    module's docstring), already checked against the manifest by the load's
+    plan (``store/codec/into.py``); the result holds them. The reads follow
+    the header, so one that places a target's bytes otherwise than the target
+    holds them is :class:`CheckpointCorrupt` before anything is read. On
+    :class:`CheckpointCorrupt` those read in place may hold part of the file.
 
     Raises :class:`CheckpointCorrupt` naming the file on a size, header or
     checksum mismatch, and :class:`StorageError` on an I/O error.
@@ -136,18 +136,16 @@ def read_tensor_file(
 
 
 def _targets(path: Path, layout: list[_Entry], into: Mapping[str, Any]) -> dict[str, Any]:
-    """The tensors of ``into`` that the file holds, each checked against the file's dtype and shape."""
+    """The tensors of ``into`` that the file holds. The plan matched them to the manifest;
+    this guards the memory the reads write against a header that disagrees with it."""
     out: dict[str, Any] = {}
     for key, dtype, shape, _, _ in layout:
         t = into.get(key)
         if t is None:
             continue
         if t.dtype != dtype or list(t.shape) != shape:
-            raise ValueError(
-                f"cannot load {key!r} of {path} into the tensor given for it: the file holds "
-                f"{dtype} {shape}, the tensor is {t.dtype} {list(t.shape)}; pass a matching state "
-                "or load without into="
-            )
+            raise CheckpointCorrupt(f"{path}: tensor {key!r} is {dtype} {shape} in the file, "
+                                    f"{t.dtype} {list(t.shape)} in its manifest", path)  # fmt: skip
         out[key] = t
     return out
 

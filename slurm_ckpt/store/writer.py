@@ -68,11 +68,3 @@ def write_state(tmp: Path, enc: EncodedState) -> tuple[dict[str, FileRecord], di
         files[name] = write_tensor_file(tmp / name, enc.tensors)
     return files, tensor_index(enc, name)
 
-
-def __getattr__(name: str) -> Any:
-    # load_state's old home: loading has its own module now (load.py).
-    if name == "load_state":
-        from .load import load_state
-
-        return load_state
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

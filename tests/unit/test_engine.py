@@ -30,9 +30,9 @@ from slurm_ckpt.store import crc
 from slurm_ckpt.store.codec import TensorEntry, encode_state
 from slurm_ckpt.store.commit import commit
 from slurm_ckpt.store.crc import crc32_combine, crc32_of_chunks
+from slurm_ckpt.store.load import load_state
 from slurm_ckpt.store.tensorfile import FileRecord, read_tensors, write_tensor_file
 from slurm_ckpt.store.verify import verify_checkpoint
-from slurm_ckpt.store.writer import load_state
 
 torch = pytest.importorskip("torch")
 
@@ -778,14 +778,25 @@ def test_into_splits_the_bytes_exactly_once_in_file_order() -> None:
                 assert direct < (4 << 20) or (i.addr - (2 << 20)) // (6 << 20) == 0  # inside [2 MiB, 8 MiB)
 
 
-def test_into_refuses_a_different_shape_or_dtype_before_touching_anything(tmp_path: Path) -> None:
+def test_into_of_another_shape_is_refused_by_the_plan_and_a_disagreeing_header_by_the_reader(
+    tmp_path: Path,
+) -> None:
+    from slurm_ckpt import Checkpointer
+
     src = torch.randn(1 << 18)
+    with Checkpointer(tmp_path / "run") as ck:
+        ck.save({"w": src}, step=1)
+        wrong = torch.zeros(1 << 17)
+        with pytest.raises(ValueError, match=r"'w'.*holds torch.float32 \[262144\].*shaped like the saved one"):
+            ck.load_latest(into={"w": wrong})
+        assert not wrong.any()
+    # The reads follow the file's header: a target it does not fit is damage, refused before a read.
     path = tmp_path / "x.safetensors"
     rec = write_image(path, plan_file(encode_state({"w": src}).tensors))
-    for wrong in (torch.zeros(1 << 17), torch.zeros(1 << 18, dtype=torch.float64)):
-        with pytest.raises(ValueError, match="pass a matching state"):
-            read_tensor_file(path, rec, into={"w": wrong})
-        assert not wrong.any()
+    for other in (torch.zeros(1 << 17), torch.zeros(1 << 18, dtype=torch.float64)):
+        with pytest.raises(CheckpointCorrupt, match="in the file"):
+            read_tensor_file(path, rec, into={"w": other})
+        assert not other.any()
     with pytest.raises(ValueError, match="do not mix"):
         read_tensor_file(path, rec, into={"w": torch.zeros(1 << 18)}, use_mmap=True)
 

@@ -25,9 +25,10 @@ from slurm_ckpt.engine import Engine
 from slurm_ckpt.errors import CheckpointCorrupt
 from slurm_ckpt.store.codec import encode_state
 from slurm_ckpt.store.commit import commit
+from slurm_ckpt.store.load import load_state
 from slurm_ckpt.store.manifest import MANIFEST, Manifest
 from slurm_ckpt.store.verify import verify_checkpoint
-from slurm_ckpt.store.writer import load_state, write_state
+from slurm_ckpt.store.writer import write_state
 from tests.compat.cases import layout, state_digest, tensors
 from tests.unit.old_formats import format1_state, format2_state
 

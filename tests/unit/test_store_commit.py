@@ -19,10 +19,11 @@ from slurm_ckpt.errors import StorageError
 from slurm_ckpt.store import RunDir, find_latest, fsutil
 from slurm_ckpt.store.codec import encode_state
 from slurm_ckpt.store.commit import WriteFn, commit
+from slurm_ckpt.store.load import load_state
 from slurm_ckpt.store.manifest import MANIFEST
 from slurm_ckpt.store.retention import FOREIGN_TMP_AGE, remove_stale_tmp
 from slurm_ckpt.store.verify import verify_checkpoint
-from slurm_ckpt.store.writer import load_state, write_state
+from slurm_ckpt.store.writer import write_state
 
 HOST = socket.gethostname().replace("-", "_")
 
