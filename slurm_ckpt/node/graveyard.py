@@ -33,12 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import job_dir_name
 from . import loopfs
+from .deadline import Deadline
 from .ledger import GRAVE, Ledger
 from .rootdir import open_private_subdir
 from .scratch import STATE_DIR, Removal, clear_dir
 
 if TYPE_CHECKING:
-    from .hook import Deadline, HookContext
+    from .hook import HookContext
 
 __all__ = ["GRAVE_DIR", "bury", "clear", "drop_kept", "due", "expire_kept", "open_grave", "reap",
            "set_aside_kept", "start_reaper"]  # fmt: skip
@@ -282,8 +283,6 @@ def reap(base: str, keep_failed: float, budget: float, wait: bool = False) -> bo
     with ``wait``, runs once that one is done. Runs in the background; also
     callable directly (an admin, a test).
     """
-    from .hook import Deadline
-
     deadline = Deadline(budget)
     base_fd = os.open(base, _DIR)
     try:

@@ -5,43 +5,20 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config, load_config
 from ..errors import StorageError
+from .deadline import Deadline
 from .escape import OneLineFormatter
 from .job import Job
 from .scratch import STATE_DIR, open_base
 
-__all__ = ["WATCHDOG_ENV", "Deadline", "HookContext", "load_context", "setup_logging", "watchdog_margin"]
+__all__ = ["WATCHDOG_ENV", "HookContext", "load_context", "setup_logging", "watchdog_margin"]
 
 log = logging.getLogger("slurm_ckpt.node")
-
-
-class Deadline:
-    """Seconds left of a hook's time budget (monotonic clock)."""
-
-    def __init__(self, seconds: float) -> None:
-        self.start = time.monotonic()
-        self.end = self.start + seconds
-
-    def left(self, reserve: float = 0.0) -> float:
-        """Seconds left, keeping ``reserve`` for what must still run after."""
-        return max(0.0, self.end - time.monotonic() - reserve)
-
-    def part(self, fraction: float, reserve: float = 0.0) -> Deadline:
-        """A deadline for one step: ``fraction`` of what is left, keeping ``reserve``.
-
-        Steps run one after another each take a part of one deadline, so the
-        time a step does not use goes to the next, and no step gets it all.
-        """
-        return Deadline(fraction * self.left(reserve))
-
-    def elapsed_ms(self) -> float:
-        return (time.monotonic() - self.start) * 1000
 
 
 def setup_logging(hook: str, job_id: str) -> None:

@@ -30,7 +30,7 @@ from . import commands, mounts
 from .rootdir import open_private_subdir
 
 if TYPE_CHECKING:
-    from .hook import Deadline
+    from .deadline import Deadline
 
 __all__ = [
     "IMAGE_DIR",

@@ -25,7 +25,7 @@ from .mounts import mount_id
 from .rootdir import open_root_dir
 
 if TYPE_CHECKING:
-    from .hook import Deadline
+    from .deadline import Deadline
 
 __all__ = [
     "STATE_DIR",

@@ -274,7 +274,7 @@ def test_epilog_removes_only_this_jobs_metrics_files(pub_tmp: Path, user: User) 
 def test_loop_mount_lands_on_the_opened_dir_even_if_the_name_is_swapped(
     loop_fs: Callable[..., Path], pub_tmp: Path
 ) -> None:
-    from slurm_ckpt.node.hook import Deadline
+    from slurm_ckpt.node.deadline import Deadline
     from slurm_ckpt.node.loopfs import mount_image, unmount_image
 
     base = loop_fs("ext4", "256M")
@@ -322,7 +322,7 @@ def test_each_loop_step_gets_its_share_of_one_deadline(loop_fs: Callable[..., Pa
     The commands run for real; the spy only records the timeout each was given
     (a slow mkfs cannot be made to order here)."""
     from slurm_ckpt.node import commands
-    from slurm_ckpt.node.hook import Deadline
+    from slurm_ckpt.node.deadline import Deadline
     from slurm_ckpt.node.loopfs import mount_image
 
     seen: list[tuple[str, float, float]] = []

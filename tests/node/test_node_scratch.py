@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_ckpt.node.hook import Deadline
+from slurm_ckpt.node.deadline import Deadline
 from slurm_ckpt.node.scratch import (
     clear_dir,
     hand_over,
