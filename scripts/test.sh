@@ -8,4 +8,6 @@ export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff"; ruff check slurm_ckpt tests bench examples
 echo "== mypy"; mypy
 echo "== docs"; NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet
-echo "== pytest"; pytest "$@"
+# Two workers: one runs the tests that use the machine, one at a time, the other the rest
+# beside them (tests/conftest.py). The machine's take longer than all the rest together.
+echo "== pytest"; pytest -n 2 --dist loadscope "$@"

@@ -24,6 +24,30 @@ settings.register_profile("thorough", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+# With pytest-xdist (``pytest -n 2 --dist loadscope``, as scripts/test.sh runs it) the
+# tests that use the machine itself (Slurm clusters, the node hooks as root, loop and
+# FUSE mounts, cgroups, the storage lab) form one unit of work: one worker runs them one
+# after another, as without xdist. The others run beside them a module at a time, so a
+# module's fixtures (a pool of ranks, a saved checkpoint) start once.
+_MACHINE = frozenset({"faults", "node", "slurm", "storage"})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _MachineFirst(LoadScopeScheduling):  # type: ignore[misc]
+        # The largest unit goes out first (--loadscope-reorder): the machine's.
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            parts = module.split("/")
+            return "machine" if len(parts) > 2 and parts[1] in _MACHINE else module
+
+    return _MachineFirst(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_process_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No SLURM_CKPT_* from the caller's shell leaks in; signal handlers are restored.
@@ -68,9 +92,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         out = _figures_dir(config)
     except (AttributeError, OSError):
         return
-    if not out.is_dir():
-        return
-    for path in sorted(out.glob("*.txt")):
+    # Each xdist worker has its own temp dir under the session's (popen-gw0, ...).
+    for path in sorted([*out.glob("*.txt"), *out.parent.glob("*/figures/*.txt")], key=lambda p: p.name):
         terminalreporter.section(f"figures: {path.stem} ({path})")
         terminalreporter.write(path.read_text())
 

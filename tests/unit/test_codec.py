@@ -670,7 +670,7 @@ class RunKey:
 
 
 @pytest.mark.parametrize("k", [frozenset({2, 1}), RunKey("base", 3), collections.namedtuple("Pair", "x y")(1, 2),
-                               np.dtype([("a", "<i4")]), object()], ids=str)  # fmt: skip
+                               np.dtype([("a", "<i4")]), object()], ids=lambda k: type(k).__name__)  # fmt: skip
 def test_a_key_is_refused_naming_its_path_the_key_and_its_type(k: Any) -> None:
     with pytest.raises(UnsupportedValue) as refused:
         encode_state({"seen": {k: 3, "n": 1}})
