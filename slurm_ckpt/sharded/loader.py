@@ -97,7 +97,7 @@ def load_one(ckpt: Path, man: Manifest | None, into: Split | None, ranks: Ranks,
         status: tuple[str, str] = ("ok", "")
     except (CheckpointCorrupt, StorageError) as e:
         plan, status = None, ("corrupt", f"rank {ranks.rank}: {e}")
-    except (ConfigError, ValueError, UnsafeLoad, ImportError) as e:  # ImportError: a dtype of a newer torch
+    except Exception as e:  # bad into=, pickles, a dtype of a newer torch, or a bug: no rank may skip the gather
         plan, status, mine = None, ("fatal", f"rank {ranks.rank}: {type(e).__name__}: {e}"), e
     # Every rank must know before the collective load whether all can go on.
     statuses = ranks.all_gather(status)

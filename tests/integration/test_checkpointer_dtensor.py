@@ -111,6 +111,16 @@ def test_load_latest_at_another_world_size_reshards_all_three(
             assert r["whole"] == []
 
 
+def test_a_rank_whose_part_fails_unexpectedly_fails_the_load_on_every_rank_instead_of_hanging(
+    saved: dict[str, Any], rank_pool: RankPool
+) -> None:
+    # Rank 1's plan raises what no check expects (a bug, say); rank 0 is already waiting
+    # for every rank's word. A rank that left without it would leave rank 0 waiting forever.
+    results = rank_pool.launch(2, f"{HERE}:_w_load_fails", saved["args"], saved["base"] / "out-fails", timeout=120)
+    assert [r["error"] for r in results] == ["ConfigError", "RuntimeError"], results
+    assert "rank 1: RuntimeError: injected" in results[0]["message"], results[0]
+
+
 # ---------------------------------------------------------------- the ranks' side
 
 
@@ -244,3 +254,24 @@ def _w_load(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
         out["bad"] = {"step": ck.loaded_step, "skipped": [s.path.name for s in skipped],
                       "equal": not compare(m, opt, ref["ref1"])}  # fmt: skip
     return out
+
+
+def _w_load_fails(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from slurm_ckpt import Checkpointer
+    from slurm_ckpt.sharded import loader
+
+    if rank == 1:
+        def broken(*_: Any, **__: Any) -> Any:
+            raise RuntimeError("injected")
+
+        loader._plan = broken  # this process's own copy: the rank exits after
+    m, opt = model(world)
+    msd, osd = get_state_dict(m, opt)
+    with Checkpointer(args["coll"], scratch=False) as ck:
+        try:
+            ck.load_latest(into={"model": msd, "optim": osd})
+        except Exception as e:
+            return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None, "message": ""}
