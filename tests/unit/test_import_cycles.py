@@ -62,23 +62,25 @@ def _ancestors(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def _all_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run, the lazy ones in functions included."""
+def _all_imports(body: list[ast.stmt], typed: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run, the lazy ones in functions included
+    (``typed``: and those only a type checker reads)."""
     found: list[ast.Import | ast.ImportFrom] = []
     todo: list[ast.AST] = list(body)
     while todo:
         node = todo.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             found.append(node)
-        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+        elif isinstance(node, ast.If) and _is_type_checking(node.test) and not typed:
             todo += node.orelse
         else:
             todo += ast.iter_child_nodes(node)
     return found
 
 
-def import_graph(root: Path = ROOT, *, lazy: bool = False) -> dict[str, set[str]]:
-    """Module -> the package modules importing it imports at once (``lazy``: or ever)."""
+def import_graph(root: Path = ROOT, *, lazy: bool = False, typed: bool = False) -> dict[str, set[str]]:
+    """Module -> the package modules importing it imports at once (``lazy``: or ever;
+    ``typed``: or ever, or for type hints)."""
     mods = _modules(root)
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
@@ -88,7 +90,7 @@ def import_graph(root: Path = ROOT, *, lazy: bool = False) -> dict[str, set[str]
         # (module, whether a name is read from its namespace)
         targets: list[tuple[str, bool]] = []
         body = ast.parse(path.read_text(), str(path)).body
-        for node in (_all_imports if lazy else _runtime_imports)(body):
+        for node in _all_imports(body, typed) if lazy or typed else _runtime_imports(body):
             if isinstance(node, ast.Import):
                 targets += [(a.name, False) for a in node.names]
                 continue
@@ -199,6 +201,14 @@ def test_no_import_cycles_through_lazy_imports() -> None:
     )
 
 
+def test_no_import_cycles_through_type_hints() -> None:
+    # Two modules that name each other's types are one module in two files.
+    found = cycles(import_graph(typed=True))
+    assert not found, "import cycles in slurm_ckpt through type-only imports:\n" + "\n".join(
+        " -> ".join(c) for c in found
+    )
+
+
 def test_lazy_imports_are_seen(tmp_path: Path) -> None:
     pkg = tmp_path / PACKAGE
     pkg.mkdir()
@@ -206,6 +216,7 @@ def test_lazy_imports_are_seen(tmp_path: Path) -> None:
     (pkg / "a.py").write_text("from . import b\n")
     (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
     assert cycles(import_graph(pkg, lazy=True)) == []  # a type-only import never runs
+    assert cycles(import_graph(pkg, typed=True)) == [[f"{PACKAGE}.a", f"{PACKAGE}.b"]]
     (pkg / "b.py").write_text("def f():\n    if True:\n        from .a import x\n")
     assert cycles(import_graph(pkg)) == []
     assert cycles(import_graph(pkg, lazy=True)) == [[f"{PACKAGE}.a", f"{PACKAGE}.b"]]
