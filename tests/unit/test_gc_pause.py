@@ -1,5 +1,5 @@
 """A save or a load of many small tensors runs no garbage collection (each one would
-walk the trainer's live objects too), but the one gen-0 pass over what it made once
+walk the trainer's live objects too), but the one pass over what it made once
 the collector is back on. The collector is back on afterwards."""
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ def test_save_and_load_run_no_collection_and_leave_the_collector_on(tmp_path: Pa
     finally:
         gc.callbacks.remove(seen)
         ck.close()
-    assert saving in ([], [0]) and loading in ([], [0]), (saving, loading)
+    # Which generation that one pass collects depends on how many passes ran before
+    # it, in this test or an earlier one in the process: count them, not their kind.
+    assert len(saving) <= 1 and len(loading) <= 1, (saving, loading)
     assert gc.isenabled()
     assert got is not None and torch.equal(got["model"]["p4999"], state["model"]["p4999"])
 
