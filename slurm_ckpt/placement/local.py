@@ -140,7 +140,9 @@ class Local:
         try:
             return self.tiers.close(timeout) if self.tiers is not None else True
         finally:
-            if self.tiers is None or not self.tiers.stalled:  # a stalled drain holds the lock
+            # A copy still running (stalled, or past timeout) writes to the run dir:
+            # the lock stays with it, and goes with the process.
+            if self.tiers is None or not self.tiers.copying:
                 try:  # releasing the lock is a call to the storage too
                     self.bound.call(self.run_dir.unlock, "releasing the run dir lock")
                 except StorageHung as e:

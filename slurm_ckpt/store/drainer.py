@@ -82,6 +82,12 @@ class Drainer(Generic[T]):
         with self.cv:
             return [i for i in (self.pending, self.draining, self.newest) if i is not None]
 
+    @property
+    def busy(self) -> bool:
+        """True while the thread runs: a copy in progress, stalled or not, or one to follow."""
+        with self.cv:
+            return self._thread is not None
+
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until the thread is idle; True if the newest item was copied.
 

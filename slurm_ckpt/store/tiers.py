@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -126,6 +127,9 @@ class Tiers:
         self._durable: dict[int, Path] = {}
         self._undurable_since: list[float] = []
         """Commit times of checkpoints newer than the newest durable one (stage-out lag)."""
+        self._closed = False
+        self._fast_guard = threading.Lock()
+        """Held while trimming scratch and while close() gives up its lock: no trim follows the close."""
         self._drainer: Drainer[_Item] = Drainer(
             self._copy,
             name="slurm-ckpt-drain",
@@ -199,26 +203,28 @@ class Tiers:
         return self._drainer.drain(timeout)
 
     @property
-    def stalled(self) -> bool:
-        """True while a copy has hung past ``stall_after`` and not returned."""
-        return self._drainer.stalled
+    def copying(self) -> bool:
+        """True while the drain runs, stalled or not (the durable lock is in use)."""
+        return self._drainer.busy
 
     def take_error(self) -> BaseException | None:
         """The last copy error, once; None if there was none since the last call."""
         return self._drainer.take_error()
 
     def close(self, timeout: float | None = None) -> bool:
-        """Drain, then release both run dirs' locks. Returns what :meth:`drain` does.
+        """Drain, then release the fast run dir's lock. Returns what :meth:`drain` does.
 
-        A stalled drain keeps the durable lock: releasing it is a call to the
-        hung storage too; it goes with the process.
+        The durable run dir's lock is its owner's to release, within
+        ``storage.hang_timeout``: the release is a call to the storage too. A
+        copy still running (past ``timeout``, or stalled) leaves scratch alone
+        when it ends: once its lock is given up, scratch is the stage-out's.
         """
         try:
             return self.drain(timeout)
         finally:
-            self.fast.unlock()
-            if not self.stalled:
-                self.durable.unlock()
+            with self._fast_guard:
+                self._closed = True
+                self.fast.unlock()
 
     def _done(self, item: _Item, dst: Path) -> None:
         # Called by the drainer with its lock held.
@@ -242,10 +248,13 @@ class Tiers:
         # it then, not only at the next save (scratch is the job's reserved
         # space). Checkpoints committed after ``item`` are spared: one may not
         # have been handed to the drain yet.
-        try:
-            self.fast.retain(self.keep, protect=self.protected(), before=item.at)
-        except OSError as e:  # the copy is done: a failed delete must not undo it
-            log.warning("checkpoint %d copied, but retention on %s failed: %s", item.step, self.fast.path, e)
+        with self._fast_guard:
+            if self._closed:
+                return
+            try:
+                self.fast.retain(self.keep, protect=self.protected(), before=item.at)
+            except OSError as e:  # the copy is done: a failed delete must not undo it
+                log.warning("checkpoint %d copied, but retention on %s failed: %s", item.step, self.fast.path, e)
 
     def _report_lag(self) -> None:
         # Called with the lock held.

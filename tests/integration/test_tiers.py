@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from slurm_ckpt import Checkpointer, StorageError
 from slurm_ckpt.cli import main
+from slurm_ckpt.config import Config, Duration, StorageConfig
 from slurm_ckpt.store import verify_checkpoint
 from slurm_ckpt.store.layout import list_steps
 
@@ -157,6 +158,32 @@ def test_the_trim_after_a_copy_spares_a_checkpoint_committed_since(
             holder.release()
         assert ck.drain(timeout=60) and ck.is_durable(10)
         assert steps(scratch / "ckpt") == [5, 10]
+
+
+def test_a_copy_that_outlives_close_leaves_scratch_alone(
+    dirs: tuple[Path, Path], holders: list[LockHolder]
+) -> None:
+    """close() stops waiting for a stalled copy and gives up scratch's lock; when
+    the copy ends, it must not trim scratch, which then belongs to the stage-out
+    (or to a next writer)."""
+    scratch, durable = dirs
+    holder = LockHolder(durable)
+    holders.append(holder)
+    # The copy of 1 waits for the durable dir's lock, and past hang_timeout is stalled.
+    config = Config(storage=StorageConfig(hang_timeout=Duration(0.5)))
+    ck = Checkpointer(durable, keep=1, lock_timeout=120, config=config)
+    tiers = ck.tiers
+    assert tiers is not None
+    try:
+        for s in (1, 2):
+            ck.save(state(s), step=s)
+        ck.close()
+        assert tiers.copying
+    finally:
+        holder.release()
+    assert tiers.drain(timeout=60)
+    assert steps(durable) == [2]
+    assert steps(scratch / "ckpt") == [1, 2]
 
 
 def test_close_waits_for_the_copy(dirs: tuple[Path, Path]) -> None:

@@ -134,6 +134,32 @@ def test_save_with_scratch_commits_there_and_drains_after(lab: Lab, tmp_path: Pa
         ckpt.close()
 
 
+def test_close_after_the_drain_returns_within_the_bound(lab: Lab, tmp_path: Path) -> None:
+    """The drain is idle, then the MDS (which holds the run dir's lock) stops:
+    close() gives up releasing that lock after the bound instead of hanging."""
+    run = lab.mount("ceph", "a") / f"hung-close-{os.getpid()}"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    ckpt = Checkpointer(run, config=_config(tmp_path), scratch=scratch)
+    assert isinstance(ckpt.placement, Local)
+    bound = ckpt.placement.bound
+    try:
+        ckpt.save(state(1), step=1)
+        assert ckpt.drain(60)
+        with lab.hung("ceph-mds", bound=90):
+            t0 = time.monotonic()
+            ckpt.close()
+            assert time.monotonic() - t0 < HANG + MARGIN
+    finally:
+        ckpt.close()
+    if bound.abandoned is not None:  # the release, once the MDS is back
+        bound.abandoned.join(120)
+    reader = Checkpointer(lab.mount("ceph", "b") / run.name, config=_config(tmp_path), scratch=False,
+                          lock_timeout=60)  # fmt: skip
+    check_state(reader.load_latest(), 1)
+    reader.close()
+
+
 _TRAINER = """
 import os, sys, time
 from slurm_ckpt import Checkpointer
