@@ -87,6 +87,9 @@ def mount_faultfs(root: Path, mnt: Path, sock: Path, *, timeout: float = 30.0, u
             # fusermount3 ends the fs process's loop; a lazy unmount copes with busy files.
             subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, timeout=60)
             _umount(mnt)
+        # Its loop ends only with the last copy of the mount, and a mount namespace made
+        # since (a node of the Slurm test cluster) keeps one: end it.
+        proc.terminate()
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
